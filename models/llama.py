@@ -1,0 +1,86 @@
+"""LLaMA-2 in Flax: RMSNorm, rotary embeddings (Hugging Face convention), grouped-query attention, SwiGLU."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.common import LayerMajorModel, attention
+from models.config import ModelConfig
+
+_init = nn.initializers.normal(0.02)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: str
+  param_dtype: str
+
+  @nn.compact
+  def __call__(self, x):
+    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return weight.astype(self.dtype) * normed.astype(self.dtype)
+
+
+def rotary(x_BxSxNxH: jax.Array, theta: float) -> jax.Array:
+  """Rotates pairs (i, i + H/2) by position-dependent angles, as Hugging Face's rotate_half does."""
+  seq, head_dim = x_BxSxNxH.shape[1], x_BxSxNxH.shape[3]
+  inv_freq_F = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles_SxF = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq_F[None, :]
+  angles_SxH = jnp.concatenate([angles_SxF, angles_SxF], axis=-1)
+  cos, sin = jnp.cos(angles_SxH)[None, :, None, :], jnp.sin(angles_SxH)[None, :, None, :]
+  x1, x2 = jnp.split(x_BxSxNxH.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x_BxSxNxH * cos + rotated * sin).astype(x_BxSxNxH.dtype)
+
+
+class LlamaBlock(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxSxD):
+    cfg = self.cfg
+    dense = lambda features, name: nn.Dense(
+        features, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=_init, name=name)
+    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name=name)
+    batch, seq, _ = x_BxSxD.shape
+    n, k, h = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+
+    y_BxSxD = norm("input_layernorm")(x_BxSxD)
+    q_BxSxNxH = rotary(dense(n * h, "q_proj")(y_BxSxD).reshape(batch, seq, n, h), cfg.rope_theta)
+    k_BxSxKxH = rotary(dense(k * h, "k_proj")(y_BxSxD).reshape(batch, seq, k, h), cfg.rope_theta)
+    v_BxSxKxH = dense(k * h, "v_proj")(y_BxSxD).reshape(batch, seq, k, h)
+    att_BxSxNxH = attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cfg)
+    x_BxSxD = x_BxSxD + dense(cfg.hidden_size, "o_proj")(att_BxSxNxH.reshape(batch, seq, n * h))
+
+    y_BxSxD = norm("post_attention_layernorm")(x_BxSxD)
+    gate_BxSxF = nn.silu(dense(cfg.intermediate_size, "gate_proj")(y_BxSxD))
+    up_BxSxF = dense(cfg.intermediate_size, "up_proj")(y_BxSxD)
+    return x_BxSxD + dense(cfg.hidden_size, "down_proj")(gate_BxSxF * up_BxSxF)
+
+
+class LlamaOuter(nn.Module):
+  cfg: ModelConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed_tokens = nn.Embed(
+        cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype, embedding_init=_init)
+    self.norm = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype)
+    self.lm_head = nn.Dense(
+        cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=_init)
+
+  def embed(self, tokens_BxS):
+    return self.embed_tokens(tokens_BxS)
+
+  def logits(self, h_BxSxD):
+    return self.lm_head(self.norm(h_BxSxD))
+
+  def __call__(self, tokens_BxS):
+    return self.logits(self.embed(tokens_BxS))
+
+
+class Llama(LayerMajorModel):
+  block = LlamaBlock
+  outer = LlamaOuter

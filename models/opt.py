@@ -1,0 +1,75 @@
+"""OPT in Flax: learned positions (offset 2), biases, ReLU MLP, pre- or post-LayerNorm, tied head."""
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from models.common import LayerMajorModel, attention
+from models.config import ModelConfig
+
+_init = nn.initializers.normal(0.02)
+POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (Hugging Face / metaseq convention)
+
+
+class OPTBlock(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxSxD):
+    cfg = self.cfg
+    dense = lambda features, name: nn.Dense(
+        features, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=_init, name=name)
+    norm = lambda name: nn.LayerNorm(cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
+    batch, seq, _ = x_BxSxD.shape
+    n, h = cfg.num_heads, cfg.head_dim
+    pre, post = cfg.layer_norm_before, not cfg.layer_norm_before
+
+    y_BxSxD = norm("self_attn_layer_norm")(x_BxSxD) if pre else x_BxSxD
+    q_BxSxNxH = dense(n * h, "q_proj")(y_BxSxD).reshape(batch, seq, n, h)
+    k_BxSxNxH = dense(n * h, "k_proj")(y_BxSxD).reshape(batch, seq, n, h)
+    v_BxSxNxH = dense(n * h, "v_proj")(y_BxSxD).reshape(batch, seq, n, h)
+    att_BxSxNxH = attention(q_BxSxNxH, k_BxSxNxH, v_BxSxNxH, cfg)
+    x_BxSxD = x_BxSxD + dense(cfg.hidden_size, "out_proj")(att_BxSxNxH.reshape(batch, seq, n * h))
+    x_BxSxD = norm("self_attn_layer_norm")(x_BxSxD) if post else x_BxSxD
+
+    y_BxSxD = norm("final_layer_norm")(x_BxSxD) if pre else x_BxSxD
+    y_BxSxF = nn.relu(dense(cfg.intermediate_size, "fc1")(y_BxSxD))
+    x_BxSxD = x_BxSxD + dense(cfg.hidden_size, "fc2")(y_BxSxF)
+    return norm("final_layer_norm")(x_BxSxD) if post else x_BxSxD
+
+
+class OPTOuter(nn.Module):
+  cfg: ModelConfig
+
+  def setup(self):
+    cfg = self.cfg
+    embed = lambda rows, width: nn.Embed(
+        rows, width, dtype=cfg.dtype, param_dtype=cfg.param_dtype, embedding_init=_init)
+    project = lambda features: nn.Dense(
+        features, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=_init)
+    self.embed_tokens = embed(cfg.vocab_size, cfg.embed_dim)
+    self.embed_positions = embed(cfg.max_positions + POSITION_OFFSET, cfg.hidden_size)
+    if cfg.embed_dim != cfg.hidden_size:
+      self.project_in = project(cfg.hidden_size)
+      self.project_out = project(cfg.embed_dim)
+    if cfg.layer_norm_before:
+      self.final_layer_norm = nn.LayerNorm(cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+
+  def embed(self, tokens_BxS):
+    x_BxSxE = self.embed_tokens(tokens_BxS)
+    x_BxSxD = self.project_in(x_BxSxE) if self.cfg.embed_dim != self.cfg.hidden_size else x_BxSxE
+    positions_S = jnp.arange(tokens_BxS.shape[1]) + POSITION_OFFSET
+    return x_BxSxD + self.embed_positions(positions_S)[None]
+
+  def logits(self, h_BxSxD):
+    if self.cfg.layer_norm_before:
+      h_BxSxD = self.final_layer_norm(h_BxSxD)
+    h_BxSxE = self.project_out(h_BxSxD) if self.cfg.embed_dim != self.cfg.hidden_size else h_BxSxD
+    return self.embed_tokens.attend(h_BxSxE)  # the head is tied to the token embedding
+
+  def __call__(self, tokens_BxS):
+    return self.logits(self.embed(tokens_BxS))
+
+
+class OPT(LayerMajorModel):
+  block = OPTBlock
+  outer = OPTOuter
