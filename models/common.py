@@ -36,12 +36,16 @@ class LayerMajorModel:
 
   def init(self, key: jax.Array) -> Params:
     outer_key, layers_key = jax.random.split(key)
-    tokens_1x1 = jnp.zeros((1, 1), jnp.int32)
-    outer = self.outer(self.cfg).init(outer_key, tokens_1x1)["params"]
+    return {"outer": self.init_outer(outer_key),
+            "layers": self.init_layers(jax.random.split(layers_key, self.cfg.num_layers))}
+
+  def init_outer(self, key: jax.Array):
+    return self.outer(self.cfg).init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+
+  def init_layers(self, keys: jax.Array):
+    """Params of len(keys) layers, stacked; init_layers(keys[i:j]) is layers i..j-1 of init_layers(keys)."""
     h_1x1xD = jnp.zeros((1, 1, self.cfg.hidden_size), self.cfg.dtype)
-    layer_keys = jax.random.split(layers_key, self.cfg.num_layers)
-    layers = jax.vmap(lambda k: self.block(self.cfg).init(k, h_1x1xD)["params"])(layer_keys)
-    return {"outer": outer, "layers": layers}
+    return jax.vmap(lambda k: self.block(self.cfg).init(k, h_1x1xD)["params"])(keys)
 
   def embed(self, outer, tokens_BxS: jax.Array) -> jax.Array:
     return self.outer(self.cfg).apply({"params": outer}, tokens_BxS, method="embed")

@@ -69,6 +69,9 @@ def get_config(name: str, overrides: list[str] | dict = ()) -> ModelConfig:
     raise ValueError(f"unknown model {name!r}; presets are: {', '.join(PRESETS)}")
   if not isinstance(overrides, dict):
     overrides = parse_overrides(list(overrides))
+  unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
+  if unknown:
+    raise ValueError(f"unknown model field(s) {', '.join(sorted(unknown))}")
   return dataclasses.replace(PRESETS[name], **overrides)
 
 

@@ -1,0 +1,151 @@
+"""Hugging Face checkpoints: `load_hf` reads a transformers LLaMA/OPT directory, `save_hf` writes one back.
+
+Names map mechanically: our module `q_proj` in layer i is `model.layers.{i}.self_attn.q_proj` (LLaMA) or
+`model.decoder.layers.{i}.self_attn.q_proj` (OPT); Dense kernels are the transposed torch Linear weights.
+"""
+
+import glob
+import json
+import os
+
+import jax
+import numpy as np
+from flax import traverse_util
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models.common import Params
+from models.config import ModelConfig
+from models.presets import build
+
+# Config values our models hard-code; a checkpoint that says otherwise would load but compute something else.
+_FIXED = {
+    "llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+    "opt": {
+        "activation_function": "relu", "enable_bias": True, "layer_norm_elementwise_affine": True,
+        "_remove_final_layer_norm": False, "tie_word_embeddings": True},
+}
+_OPT_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which Hugging Face OPT uses
+_SUBMODULE = {
+    "q_proj": "self_attn.", "k_proj": "self_attn.", "v_proj": "self_attn.", "o_proj": "self_attn.",
+    "out_proj": "self_attn.", "gate_proj": "mlp.", "up_proj": "mlp.", "down_proj": "mlp."}
+_LEAF = {"kernel": "weight", "embedding": "weight", "scale": "weight", "weight": "weight", "bias": "bias"}
+
+
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+  """A transformers config.json (as a dict) -> ModelConfig; `overrides` (e.g. dtype="float32") win."""
+  model_type = hf.get("model_type")
+  if model_type not in _FIXED:
+    raise ValueError(f"unsupported model_type {model_type!r}; sljax loads 'llama' and 'opt'")
+  for key, want in _FIXED[model_type].items():
+    if hf.get(key, want) != want:
+      raise ValueError(f"unsupported {model_type} config {key}={hf[key]!r}; sljax supports only {want!r}")
+  shared = dict(
+      family=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+      num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+      max_positions=hf["max_position_embeddings"])
+  if model_type == "llama":
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+      raise ValueError(f"unsupported llama rope_type {rope_type!r}; sljax supports only 'default'")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
+      raise ValueError(f"unsupported llama head_dim {head_dim}; sljax needs hidden_size / num_attention_heads")
+    fields = dict(
+        intermediate_size=hf["intermediate_size"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  else:
+    embed_dim = hf.get("word_embed_proj_dim") or hf["hidden_size"]
+    fields = dict(
+        intermediate_size=hf["ffn_dim"], num_kv_heads=hf["num_attention_heads"], norm_eps=_OPT_NORM_EPS,
+        word_embed_proj_dim=0 if embed_dim == hf["hidden_size"] else embed_dim,
+        layer_norm_before=hf.get("do_layer_norm_before", True))
+  return ModelConfig(**{**shared, **fields, **overrides})
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+  """ModelConfig -> a transformers config.json dict (LlamaForCausalLM or OPTForCausalLM)."""
+  shared = dict(
+      model_type=cfg.family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+      max_position_embeddings=cfg.max_positions, dtype=cfg.param_dtype, **_FIXED[cfg.family])
+  if cfg.family == "llama":
+    # Top-level rope_theta (not transformers 5's rope_parameters) so that transformers 4 reads it too.
+    return dict(
+        architectures=["LlamaForCausalLM"], intermediate_size=cfg.intermediate_size,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=False, **shared)
+  if cfg.norm_eps != _OPT_NORM_EPS:
+    raise ValueError(f"Hugging Face OPT fixes the LayerNorm eps at {_OPT_NORM_EPS}; this model has {cfg.norm_eps}")
+  return dict(
+      architectures=["OPTForCausalLM"], ffn_dim=cfg.intermediate_size, word_embed_proj_dim=cfg.embed_dim,
+      do_layer_norm_before=cfg.layer_norm_before, **shared)
+
+
+def _hf_name(family: str, module: str, leaf: str, layer: int | None = None) -> str:
+  """Our (module, leaf) in the outer params (layer None) or in layer `layer` -> the Hugging Face tensor name."""
+  model = "model." if family == "llama" else "model.decoder."
+  if layer is None:
+    path = "lm_head" if module == "lm_head" else model + module
+  else:
+    path = f"{model}layers.{layer}.{_SUBMODULE.get(module, '')}{module}"
+  return f"{path}.{_LEAF[leaf]}"
+
+
+def load_hf(path: str, **overrides) -> tuple[ModelConfig, Params]:
+  """Reads config.json and *.safetensors (one file or shards) into (cfg, params); params are host numpy arrays."""
+  config_path = os.path.join(path, "config.json")
+  if not os.path.isfile(config_path):
+    raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
+  with open(config_path) as f:
+    hf = json.load(f)
+  cfg = config_from_hf(hf, **overrides)
+  stored = {}  # tensor name -> (file, name inside it)
+  for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+    with safe_open(file, framework="np") as f:
+      stored.update({name: (file, name) for name in f.keys()})
+  if not stored:
+    raise ValueError(f"{path} has no *.safetensors files (re-save .bin checkpoints with save_pretrained)")
+  if hf.get("tie_word_embeddings") and "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored:
+    stored["lm_head.weight"] = stored["model.embed_tokens.weight"]  # a tied LLaMA head loads as an untied copy
+
+  shapes = traverse_util.flatten_dict(jax.eval_shape(build(cfg).init, jax.random.key(0)))
+  names = {  # (part, module, leaf) -> its Hugging Face tensors, one per layer for "layers"
+      (part, module, leaf): [_hf_name(cfg.family, module, leaf, i)
+                             for i in ([None] if part == "outer" else range(cfg.num_layers))]
+      for part, module, leaf in shapes}
+  missing = [name for tensors in names.values() for name in tensors if name not in stored]
+  if missing:
+    raise ValueError(f"{path} lacks {len(missing)} tensors that the config needs: {', '.join(missing[:4])}")
+
+  def read(name, transpose):
+    file, inner = stored[name]
+    with safe_open(file, framework="np") as f:
+      tensor = f.get_tensor(inner)
+    return tensor.T if transpose else tensor
+
+  params = {}
+  for (part, module, leaf), hf_names in names.items():
+    arrays = [read(name, leaf == "kernel") for name in hf_names]
+    tensor = arrays[0] if part == "outer" else np.stack(arrays)
+    if tensor.shape != shapes[part, module, leaf].shape:
+      raise ValueError(f"{path}: {hf_names[0]} has shape {tensor.shape}, "
+                       f"the config implies {shapes[part, module, leaf].shape}")
+    params[part, module, leaf] = np.ascontiguousarray(tensor.astype(cfg.param_dtype, copy=False))
+  return cfg, traverse_util.unflatten_dict(params)
+
+
+def save_hf(path: str, cfg: ModelConfig, params: Params):
+  """Writes config.json and model.safetensors that transformers' from_pretrained loads."""
+  hf = config_to_hf(cfg)
+  tensors = {}
+  for (part, module, leaf), value in traverse_util.flatten_dict(params).items():
+    value = np.asarray(value)
+    for i, tensor in [(None, value)] if part == "outer" else enumerate(value):
+      tensors[_hf_name(cfg.family, module, leaf, i)] = np.ascontiguousarray(tensor.T if leaf == "kernel" else tensor)
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2)
+  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

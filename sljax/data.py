@@ -1,0 +1,181 @@
+"""Training batches: documents -> tokens -> one packed stream -> fixed-length windows in a seeded, resumable order.
+
+Two corpora: the Python standard library's own source (embedded, byte-level, nothing to download) and any text
+dataset prepared by TFDS in array_record format, read through `tfds` random access without TensorFlow.
+"""
+
+import dataclasses
+import functools
+import os
+import sysconfig
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
+
+import numpy as np
+
+STDLIB = "stdlib"
+BYTE_VOCAB = 256
+BYTE_SEPARATOR = 0  # NUL ends each document in byte-level streams; text practically never contains it
+END_OF_TEXT = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")  # tokenizer.json names of the separator
+DOCS_PER_CHUNK = 256  # documents read and tokenized together
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where the text comes from, how it becomes tokens, and the batch shape."""
+
+  name: str = STDLIB  # "stdlib" (embedded) or a TFDS name: "c4/en", "openwebtext", "wikipedia/20230601.en"
+  data_dir: str | None = None  # TFDS data_dir (None: TFDS's default, ~/tensorflow_datasets or $TFDS_DATA_DIR)
+  tokenizer: str | None = None  # sentencepiece .model or Hugging Face tokenizer.json; None: bytes, vocab 256
+  split: str = "train"  # TFDS split, slices allowed ("train[:1%]")
+  text_key: str = "text"  # TFDS feature holding the document text
+  seq_len: int = 128
+  batch_size: int = 8
+  seed: int = 0  # picks the window order of every epoch
+  max_tokens: int = 2**24  # tokens read and kept in memory: documents are read in order until the stream is this long
+
+  def __post_init__(self):
+    for field in ("seq_len", "batch_size", "max_tokens"):
+      if getattr(self, field) < 1:
+        raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+  """Text bytes to token ids, with the id that ends each document (None: documents just abut)."""
+
+  vocab_size: int
+  separator: int | None
+  encode: Callable[[list[bytes]], list[np.ndarray]]
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+  """Bytes for None, sentencepiece for *.model, Hugging Face `tokenizers` for *.json."""
+  if path is None:
+    return Tokenizer(BYTE_VOCAB, BYTE_SEPARATOR, lambda docs: [np.frombuffer(doc, np.uint8) for doc in docs])
+  if not os.path.isfile(path):
+    raise ValueError(f"tokenizer file {path!r} does not exist")
+  texts = lambda docs: [doc.decode("utf-8", errors="replace") for doc in docs]
+  if path.endswith(".model"):
+    import sentencepiece  # imported here, like tokenizers and tfds below: the default corpus needs none of them
+
+    model = sentencepiece.SentencePieceProcessor(model_file=path)
+    encode = lambda docs: [np.asarray(ids) for ids in model.encode(texts(docs), num_threads=os.cpu_count())]
+    return Tokenizer(model.get_piece_size(), model.eos_id() if model.eos_id() >= 0 else None, encode)
+  if path.endswith(".json"):
+    import tokenizers
+
+    model = tokenizers.Tokenizer.from_file(path)
+    specials = {t.content: i for i, t in model.get_added_tokens_decoder().items() if t.special}
+    separator = next((specials[name] for name in END_OF_TEXT if name in specials), None)
+    encode = lambda docs: [np.asarray(e.ids) for e in model.encode_batch_fast(texts(docs), add_special_tokens=False)]
+    return Tokenizer(model.get_vocab_size(with_added_tokens=True), separator, encode)
+  raise ValueError(f"tokenizer {path!r}: unknown file type; expected a sentencepiece .model or a tokenizer.json")
+
+
+class Source:
+  """Windows of seq_len + 1 tokens over one packed stream; batch(step) depends only on the config and step.
+
+  Window i is tokens[i * seq_len : i * seq_len + seq_len + 1], so consecutive windows share one token and every
+  adjacent pair in the stream is trained on once per epoch. Each epoch visits all windows in a permutation seeded
+  by (seed, epoch); a batch may straddle two epochs.
+  """
+
+  def __init__(self, tokens: np.ndarray, vocab_size: int, cfg: DataConfig):
+    self.tokens = tokens
+    self.cfg = cfg
+    self._vocab_size = vocab_size
+    if self.num_windows < 1:
+      raise ValueError(f"{cfg.name}: {len(tokens)} tokens make no window of seq_len + 1 = {cfg.seq_len + 1}")
+    self._order = functools.lru_cache(maxsize=2)(self._permutation)
+
+  @property
+  def vocab_size(self) -> int:
+    return self._vocab_size
+
+  @property
+  def num_windows(self) -> int:
+    return (len(self.tokens) - 1) // self.cfg.seq_len
+
+  def _permutation(self, epoch: int) -> np.ndarray:
+    return np.random.default_rng([self.cfg.seed, epoch]).permutation(self.num_windows)
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    """inputs, targets: int32[B, S] (targets = inputs shifted by one); weights: float32[B, S] of ones."""
+    if step < 0:
+      raise ValueError(f"step must be >= 0, got {step}")
+    seq_len, batch_size = self.cfg.seq_len, self.cfg.batch_size
+    epoch_B, position_B = np.divmod(step * batch_size + np.arange(batch_size), self.num_windows)
+    window_B = np.array([self._order(int(e))[p] for e, p in zip(epoch_B, position_B)])
+    window_BxT = self.tokens[window_B[:, None] * seq_len + np.arange(seq_len + 1)].astype(np.int32)  # T = S + 1
+    return {"inputs": window_BxT[:, :-1], "targets": window_BxT[:, 1:],
+            "weights": np.ones((batch_size, seq_len), np.float32)}
+
+
+def make_source(cfg: DataConfig, max_positions: int, vocab_size: int | None = None) -> Source:
+  """Checks cfg against the model (max_positions, vocab_size; None skips the vocab check), then reads the corpus."""
+  if cfg.seq_len > max_positions:
+    raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_positions {max_positions}")
+  tokenizer = load_tokenizer(cfg.tokenizer)
+  if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+    raise ValueError(f"tokenizer {cfg.tokenizer or 'bytes'} has {tokenizer.vocab_size} tokens, "
+                     f"more than the model's vocab_size {vocab_size}")
+  documents = stdlib_documents() if cfg.name == STDLIB else tfds_documents(open_tfds(cfg), cfg.text_key)
+  return Source(pack(documents, tokenizer, cfg.max_tokens), tokenizer.vocab_size, cfg)
+
+
+def pack(documents: Iterable[bytes], tokenizer: Tokenizer, max_tokens: int) -> np.ndarray:
+  """Tokenizes documents chunk by chunk, each followed by the separator, into one stream of at most max_tokens."""
+  dtype = np.min_scalar_type(tokenizer.vocab_size - 1)
+  separator = np.array([] if tokenizer.separator is None else [tokenizer.separator], dtype)
+  pieces, length = [], 0
+  documents = iter(documents)
+  while length < max_tokens and (chunk := list(islice(documents, DOCS_PER_CHUNK))):
+    for ids in tokenizer.encode(chunk):
+      pieces += [ids.astype(dtype), separator]
+      length += len(ids) + len(separator)
+  return np.concatenate(pieces)[:max_tokens] if pieces else np.zeros(0, dtype)
+
+
+def stdlib_documents() -> Iterator[bytes]:
+  """The standard library's .py files (third-party packages excluded), sorted by path; read lazily."""
+  root = sysconfig.get_paths()["stdlib"]
+  paths = []
+  for directory, subdirectories, files in os.walk(root):
+    subdirectories[:] = [d for d in subdirectories if d not in ("site-packages", "dist-packages")]
+    paths += [os.path.relpath(os.path.join(directory, f), root) for f in files if f.endswith(".py")]
+  for path in sorted(paths):
+    with open(os.path.join(root, path), "rb") as f:
+      yield f.read()
+
+
+def tfds_documents(data_source, text_key: str) -> Iterator[bytes]:
+  """The text of each example of a TFDS data source, in stored order, read a chunk at a time; read lazily."""
+  for start in range(0, len(data_source), DOCS_PER_CHUNK):
+    for example in data_source.__getitems__(list(range(start, min(start + DOCS_PER_CHUNK, len(data_source))))):
+      text = example[text_key]
+      yield text if isinstance(text, bytes) else text.encode("utf-8")
+
+
+def open_tfds(cfg: DataConfig):
+  """The split's random-access data source (array_record, no TensorFlow), after checking the dataset is ready."""
+  import tensorflow_datasets as tfds
+  from tensorflow_datasets.core import constants, read_only_builder, registered
+
+  where = cfg.data_dir or constants.DATA_DIR
+  try:
+    builder = read_only_builder.builder_from_files(cfg.name, data_dir=cfg.data_dir)
+  except registered.DatasetNotFoundError:
+    raise ValueError(f"TFDS dataset {cfg.name!r} is not prepared in {where}; prepare it with "
+                     f"`tfds build {cfg.name} --data_dir={where} --file_format=array_record`") from None
+  if builder.info.file_format != tfds.core.FileFormat.ARRAY_RECORD:
+    raise ValueError(f"TFDS dataset {cfg.name!r} in {where} is stored as {builder.info.file_format.value}; random "
+                     f"access needs array_record: rebuild with `tfds build {cfg.name} --file_format=array_record`")
+  if cfg.text_key not in builder.info.features:
+    raise ValueError(f"TFDS dataset {cfg.name!r} has no feature {cfg.text_key!r}; "
+                     f"it has {list(builder.info.features)}")
+  try:
+    builder.info.splits[cfg.split]
+  except (KeyError, ValueError) as e:
+    raise ValueError(f"TFDS dataset {cfg.name!r}: bad split {cfg.split!r}: {e}") from None
+  return builder.as_data_source(split=cfg.split)

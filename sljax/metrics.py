@@ -1,0 +1,48 @@
+"""Throughput and MFU, TensorBoard scalars, and the progress-bar line."""
+
+import os
+
+import jax
+
+# Dense bf16 peak per device (SXM parts), by a substring of `jax.Device.device_kind`.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def peak_flops(device: jax.Device | None = None) -> float | None:
+  """Peak bf16 FLOP/s of `device` (default: the first one); None when unknown (CPU, other GPUs)."""
+  kind = (device or jax.devices()[0]).device_kind
+  return next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in kind), None)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, device: jax.Device | None = None
+        ) -> float | None:
+  """Model FLOPs utilization: model FLOP/s over `num_devices` devices' peak; None when the peak is unknown."""
+  peak = peak_flops(device)
+  if peak is None:
+    return None
+  return tokens_per_s * flops_per_token / (num_devices * peak)
+
+
+def progress_description(loss: float, tokens_per_s: float, utilization: float | None) -> str:
+  mfu_text = "n/a" if utilization is None else f"{100 * utilization:.1f}%"
+  return f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {mfu_text}"
+
+
+class Logger:
+  """Scalars per step into TensorBoard event files under `workdir/tb`."""
+
+  def __init__(self, workdir: str):
+    from tensorboardX import SummaryWriter  # here, not at the top: it imports torch when present, >1 s
+
+    self.writer = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def scalars(self, step: int, values: dict[str, float | None]):
+    for name, value in values.items():
+      if value is not None:
+        self.writer.add_scalar(name, value, step)
+
+  def flush(self):
+    self.writer.flush()
+
+  def close(self):
+    self.writer.close()

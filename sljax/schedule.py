@@ -1,0 +1,242 @@
+"""The SpeedLoader step: layer-major, sub-batched training with weights, activations and optimizer state offloaded.
+
+One step, top to bottom (see `Engine.step`):
+
+  embed every sub-batch                                   -> stash h[0][s]
+  for each group g but the last:    fetch W_g once, run every sub-batch through it -> stash h[g+1][s]
+  last group:                       forward + head + backward per sub-batch in one call -> stash dh[G-1][s]
+  for each group g, last-but-one down to 0: fetch W_g once, recompute + backward every sub-batch,
+                                    accumulate dW_g on the device -> stash dh[g][s]; update group g
+  embedding backward per sub-batch; update the embeddings and head
+
+The loop is plain Python that dispatches jitted calls asynchronously; every transfer is issued one item ahead of
+its use (`_prefetch`), so copies run while the previous item computes. Nothing in it waits for the device.
+"""
+
+import dataclasses
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sljax.memory import Placement
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  sub_batches: int = 1  # N: the effective batch is split into N sub-batches that share each weight fetch
+  live_layers: int = 1  # layers per group: the weights on the device at once (twice that while prefetching)
+  grad_clip_norm: float = 0.0  # > 0: clip by the global norm over all params (exact: updates wait for all grads)
+  activations_on_host: bool = True  # stash group-boundary hidden states and their grads in pinned host memory
+  device_state_groups: int = 0  # groups (counted from the last) whose master weights + optimizer state stay on device
+
+
+def _add(acc, grads):
+  return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+
+
+def _clip(grads, norm, max_norm):
+  """optax.clip_by_global_norm's arithmetic, with the norm computed over all groups beforehand."""
+  return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), grads)
+
+
+class Engine:
+  """Trains `model` (a models.common.LayerMajorModel) with `optimizer` layer-major.
+
+  `optimizer` is applied group by group, so it must treat each parameter independently (AdamW, SGD, Lion, ...);
+  global-norm clipping is the engine's own `grad_clip_norm`, computed exactly over all groups.
+  """
+
+  def __init__(self, model, optimizer: optax.GradientTransformation, cfg: EngineConfig,
+               placement: Placement | None = None):
+    num_layers = model.cfg.num_layers
+    if cfg.sub_batches < 1 or cfg.live_layers < 1:
+      raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
+    self.model, self.optimizer, self.cfg = model, optimizer, cfg
+    self.place = placement or Placement.single()
+    self.groups = [(a, min(a + cfg.live_layers, num_layers)) for a in range(0, num_layers, cfg.live_layers)]
+    self.state_on_device = [g >= len(self.groups) - cfg.device_state_groups for g in range(len(self.groups))]
+    self.compute_dtype = jnp.dtype(model.cfg.dtype)
+    self.separate_weights = jnp.dtype(model.cfg.param_dtype) != self.compute_dtype
+
+    host_acts = cfg.activations_on_host
+    self._embed = jax.jit(model.embed)
+    self._forward = jax.jit(model.layers, donate_argnums=(1,) if host_acts else ())
+    self._last_group = jax.jit(self._last_group_fn, donate_argnums=(2, 6, 7))
+    self._backward = jax.jit(self._backward_fn, donate_argnums=(1, 3))
+    self._embed_backward = jax.jit(self._embed_backward_fn, donate_argnums=(3,))
+    self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))
+    # Gradient accumulators: fp32 whatever the compute dtype; placed like the step's outputs so nothing recompiles.
+    self._zeros = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree),
+                          out_shardings=self.place.device())
+    self._sq_norm = jax.jit(lambda tree: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+    self._init_layers = jax.jit(model.init_layers)
+    self._init_outer = jax.jit(model.init_outer)
+    self._cast = jax.jit(self._cast_fn)
+    self._init_opt = jax.jit(optimizer.init)
+
+  # ---- jitted pieces -------------------------------------------------------------------------------------------
+
+  def _last_group_fn(self, weights, outer, x, targets, loss_weights, inv_total, grads, outer_grads):
+    def loss_fn(weights, outer, x):
+      h = self.model.layers(weights, x)
+      return self.model.head_loss(outer, h, targets, loss_weights) * inv_total
+
+    loss, (d_weights, d_outer, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(weights, outer, x)
+    return loss, dx, _add(grads, d_weights), _add(outer_grads, d_outer)
+
+  def _backward_fn(self, weights, x, dy, grads):
+    _, vjp = jax.vjp(self.model.layers, weights, x)
+    d_weights, dx = vjp(dy)
+    return dx, _add(grads, d_weights)
+
+  def _embed_backward_fn(self, outer, tokens, dh, outer_grads):
+    _, vjp = jax.vjp(lambda o: self.model.embed(o, tokens), outer)
+    return _add(outer_grads, vjp(dh)[0])
+
+  def _update_fn(self, master, opt_state, grads, norm):
+    if self.cfg.grad_clip_norm > 0:
+      grads = _clip(grads, norm, self.cfg.grad_clip_norm)
+    updates, opt_state = self.optimizer.update(grads, opt_state, master)
+    return optax.apply_updates(master, updates), opt_state
+
+  def _cast_fn(self, tree):
+    return jax.tree.map(lambda x: x.astype(self.compute_dtype), tree)
+
+  # ---- state ---------------------------------------------------------------------------------------------------
+
+  def _home(self, g: int, tree):
+    """Puts group g's master weights or optimizer state where the config keeps them."""
+    return self.place.to_device(tree) if self.state_on_device[g] else self.place.to_host(tree)
+
+  def _make_group(self, g: int, master):
+    group = {"master": self._home(g, master), "opt": self._home(g, self._init_opt(master))}
+    if self.separate_weights:
+      group["weights"] = self.place.to_host(self._cast(master))
+    return group
+
+  def init(self, key: jax.Array) -> dict:
+    """Random init, one group at a time on the device, so the whole model never has to fit there.
+
+    Equal to `model.init(key)` laid out by `from_params`.
+    """
+    outer_key, layers_key = jax.random.split(key)
+    layer_keys = jax.random.split(layers_key, self.model.cfg.num_layers)
+    outer = self._init_outer(outer_key)
+    groups = [self._make_group(g, self._init_layers(layer_keys[a:b])) for g, (a, b) in enumerate(self.groups)]
+    return self._state(outer, groups)
+
+  def from_params(self, params: dict) -> dict:
+    """Lays out full-model params ({"outer", "layers"}, on any device or numpy) as engine state."""
+    groups = [self._make_group(g, self.place.to_device(jax.tree.map(lambda x: x[a:b], params["layers"])))
+              for g, (a, b) in enumerate(self.groups)]
+    return self._state(self.place.to_device(jax.tree.map(jnp.copy, params["outer"])), groups)  # steps donate it
+
+  def _state(self, outer, groups) -> dict:
+    return {"step": jnp.zeros((), jnp.int32), "outer": outer, "outer_opt": self._init_opt(outer), "groups": groups}
+
+  def params(self, state: dict) -> dict:
+    """Full-model params on the default device (for tests and export; needs the whole model to fit there)."""
+    layers = [self.place.to_device(group["master"]) for group in state["groups"]]
+    return {"outer": state["outer"], "layers": jax.tree.map(lambda *xs: jnp.concatenate(xs), *layers)}
+
+  # ---- transfers -----------------------------------------------------------------------------------------------
+
+  def _stash(self, x):
+    return self.place.to_host(x) if self.cfg.activations_on_host else x
+
+  def _prefetch(self, items: Sequence, fetch: Callable | None = None) -> Iterator:
+    """Yields fetch(item) for each item, issuing the next item's fetch before the current one is used."""
+    fetch = fetch or (self.place.to_device if self.cfg.activations_on_host else (lambda x: x))
+    if not items:
+      return
+    upcoming = fetch(items[0])
+    for i in range(len(items)):
+      current = upcoming
+      if i + 1 < len(items):
+        upcoming = fetch(items[i + 1])
+      yield current
+
+  # ---- the step ------------------------------------------------------------------------------------------------
+
+  def step(self, state: dict, batch: dict) -> tuple[dict, jax.Array]:
+    """One optimizer step on `batch` ({"inputs", "targets", "weights"}: [B, S] numpy arrays, B = N x b)."""
+    n = self.cfg.sub_batches
+    if batch["inputs"].shape[0] % n:
+      raise ValueError(f"batch of {batch['inputs'].shape[0]} rows is not divisible by {n} sub-batches")
+    tokens, targets, loss_weights = (
+        [self.place.to_device(part) for part in np.split(np.asarray(batch[key]), n)]
+        for key in ("inputs", "targets", "weights"))
+    inv_total = np.float32(1.0 / max(float(np.sum(batch["weights"])), 1.0))  # loss = mean over the whole batch
+
+    outer, groups = state["outer"], state["groups"]
+    last = len(groups) - 1
+    weights = [group["weights"] if self.separate_weights else group["master"] for group in groups]
+    # Each group's weights cross to the device once forward, once backward; the last group's stay for both.
+    order = list(range(last + 1)) + list(range(last - 1, -1, -1))
+    weight_stream = self._prefetch([weights[g] for g in order], self.place.to_device)
+
+    # Forward, layer-major: boundaries[g][s] is group g's input for sub-batch s.
+    boundaries = [[self._stash(self._embed(outer, tokens[s])) for s in range(n)]]
+    for _ in range(last):
+      w = next(weight_stream)
+      boundaries.append([self._stash(self._forward(w, x)) for x in self._prefetch(boundaries[-1])])
+
+    # The last group: forward, head + loss and backward in one call per sub-batch.
+    new_groups, parked = list(groups), []
+    w = next(weight_stream)
+    incoming = self._fetch_state(groups[last])
+    grads, outer_grads = self._zeros(w), self._zeros(outer)
+    losses, cotangents = [], []
+    for s, x in enumerate(self._prefetch(boundaries[last])):
+      loss, dx, grads, outer_grads = self._last_group(
+          w, outer, x, targets[s], loss_weights[s], inv_total, grads, outer_grads)
+      losses.append(loss)
+      cotangents.append(self._stash(dx))
+    self._finish_group(last, incoming, grads, new_groups, parked)
+
+    # Backward through the other groups in reverse, recomputing each group's forward inside its vjp.
+    for g in range(last - 1, -1, -1):
+      w = next(weight_stream)
+      incoming = self._fetch_state(groups[g])
+      grads, dxs = self._zeros(w), []
+      for x, dy in zip(self._prefetch(boundaries[g]), self._prefetch(cotangents)):
+        dx, grads = self._backward(w, x, dy, grads)
+        dxs.append(self._stash(dx))
+      cotangents = dxs
+      self._finish_group(g, incoming, grads, new_groups, parked)
+
+    for s, dh in enumerate(self._prefetch(cotangents)):
+      outer_grads = self._embed_backward(outer, tokens[s], dh, outer_grads)
+
+    norm = jnp.zeros((), jnp.float32)
+    if parked:  # clipping: every gradient is known only now, so the parked updates run here
+      norm = jnp.sqrt(sum(sq for *_, sq in parked) + self._sq_norm(outer_grads))
+      for g, incoming, grads, _ in parked:
+        new_groups[g] = self._apply(g, self.place.to_device(incoming), self.place.to_device(grads), norm)
+    new_outer, new_outer_opt = self._update(outer, state["outer_opt"], outer_grads, norm)
+    new_state = {"step": state["step"] + 1, "outer": new_outer, "outer_opt": new_outer_opt, "groups": new_groups}
+    return new_state, sum(losses)
+
+  def _fetch_state(self, group: dict):
+    """Starts bringing a group's master weights and optimizer state to the device, ahead of its update."""
+    state = (group["master"], group["opt"])
+    return state if self.cfg.grad_clip_norm > 0 else self.place.to_device(state)  # clipping fetches them later
+
+  def _finish_group(self, g: int, incoming, grads, new_groups: list, parked: list):
+    """Updates group g now that its gradient is complete, or (clipping) parks it until the global norm is known."""
+    if self.cfg.grad_clip_norm > 0:
+      stashed = grads if self.state_on_device[g] else self.place.to_host(grads)
+      parked.append((g, incoming, stashed, self._sq_norm(grads)))
+    else:
+      new_groups[g] = self._apply(g, incoming, grads, jnp.zeros((), jnp.float32))
+
+  def _apply(self, g: int, incoming, grads, norm) -> dict:
+    master, opt_state = incoming
+    master, opt_state = self._update(master, opt_state, grads, norm)
+    group = {"master": self._home(g, master), "opt": self._home(g, opt_state)}
+    if self.separate_weights:
+      group["weights"] = self.place.to_host(self._cast(master))
+    return group

@@ -1,0 +1,34 @@
+import glob
+import types
+
+import pytest
+
+from sljax import metrics
+
+
+def device(kind):
+  return types.SimpleNamespace(device_kind=kind)
+
+
+@pytest.mark.parametrize("kind, peak", [
+    ("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("cpu", None)])
+def test_peak_flops_by_device_kind(kind, peak):
+  assert metrics.peak_flops(device(kind)) == peak
+
+
+def test_mfu_divides_model_flops_by_the_devices_peak():
+  assert metrics.mfu(1000.0, 989e9, 1, device("NVIDIA H200")) == pytest.approx(1.0)
+  assert metrics.mfu(1000.0, 989e9, 4, device("NVIDIA H200")) == pytest.approx(0.25)
+  assert metrics.mfu(1000.0, 989e9, 1, device("cpu")) is None
+
+
+def test_progress_description():
+  assert metrics.progress_description(2.5, 12345.6, 0.4) == "loss 2.500 | 12,346 tok/s | MFU 40.0%"
+  assert metrics.progress_description(2.5, 100.0, None).endswith("MFU n/a")
+
+
+def test_logger_writes_tensorboard_events(tmp_path):
+  logger = metrics.Logger(str(tmp_path))
+  logger.scalars(1, {"loss": 3.0, "mfu": None})
+  logger.close()
+  assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))

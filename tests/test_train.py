@@ -1,0 +1,73 @@
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from absl import flags
+
+import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--set=num_layers=2", "--set=hidden_size=64", "--set=intermediate_size=128", "--set=num_heads=2",
+        "--set=num_kv_heads=1", "--seq_len=32", "--batch_size=4", "--max_tokens=200000", "--warmup_steps=1",
+        "--log_every=1"]
+
+
+def train_in_process(workdir, *args) -> dict[int, float]:
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["train.py", f"--workdir={workdir}", *TINY, *args])
+  return train.run()
+
+
+def test_loss_falls_and_checkpoint_and_tensorboard_are_written(tmp_path):
+  history = train_in_process(tmp_path, "--steps=40", "--checkpoint_every=25", "--learning_rate=1e-2")
+  assert sorted(history) == list(range(1, 41))
+  losses = np.array(list(history.values()))
+  assert np.isfinite(losses).all()
+  assert losses[:3].mean() > 5.0 and losses[-5:].mean() < 3.6, losses
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["25", "40"]
+  assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+
+
+def test_resumed_run_continues_the_step_count_and_matches_an_uninterrupted_run(tmp_path):
+  schedule = ["--decay_steps=6", "--checkpoint_every=2"]
+  uninterrupted = train_in_process(tmp_path / "one", "--steps=6", *schedule)
+  first = train_in_process(tmp_path / "two", "--steps=3", *schedule)
+  assert sorted(first) == [1, 2, 3]
+  # As if the first run had died before its final save: resume from step 2, saved while the run went on.
+  shutil.rmtree(tmp_path / "two" / "checkpoints" / "3")
+  second = train_in_process(tmp_path / "two", "--steps=6", *schedule)
+  assert sorted(second) == [3, 4, 5, 6]
+  np.testing.assert_allclose([second[n] for n in (3, 4, 5, 6)], [uninterrupted[n] for n in (3, 4, 5, 6)],
+                             rtol=1e-6)
+  assert train_in_process(tmp_path / "two", "--steps=6", *schedule) == {}  # already done
+
+
+def test_profile_writes_a_trace(tmp_path):
+  train_in_process(tmp_path, "--steps=3", "--profile")
+  assert glob.glob(str(tmp_path / "profile" / "**" / "*.xplane.pb"), recursive=True)
+
+
+BAD_REQUESTS = {
+    "unknown model 'llama-nope'": ["--model=llama-nope"],
+    "unknown model field 'num_wings'": ["--set=num_wings=2"],
+    "override num_layers wants a int": ["--set=num_layers=two"],
+    "batch_size must be positive": ["--batch_size=0"],
+    "seq_len 4096 exceeds the model's max_positions 512": ["--seq_len=4096"],
+    "offload engine": ["--model=llama70b"],  # 70 B params x 16 bytes fit no single device or host here
+}
+
+
+@pytest.mark.parametrize("message", BAD_REQUESTS)
+def test_bad_requests_exit_with_one_line_and_write_nothing(tmp_path, message):
+  workdir = tmp_path / "run"
+  result = subprocess.run([sys.executable, "train.py", f"--workdir={workdir}", *BAD_REQUESTS[message]], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0
+  errors = [line for line in result.stderr.splitlines() if line.startswith("sljax:")]
+  assert len(errors) == 1 and message in errors[0], result.stderr
+  assert "Traceback" not in result.stderr
+  assert not workdir.exists()

@@ -1,0 +1,117 @@
+"""Trains a decoder-only LM: `python train.py` fits llama-tiny on the embedded stdlib corpus in a few CPU minutes.
+
+  python train.py --model llama-tiny --set num_layers=8 --steps 1000 --batch_size 16
+  python train.py --model opt-125m --data c4/en --tokenizer tokenizer.json --seq_len 1024 --workdir runs/opt
+
+Every default lives in the config dataclasses (ModelConfig presets, DataConfig, OptimConfig, RunConfig); the flags
+below only expose them. A run resumes from the newest checkpoint in --workdir.
+"""
+
+import dataclasses
+import logging as std_logging
+import os
+
+import jax
+from absl import app, flags, logging
+
+from models.presets import PRESETS, get_config
+from sljax import trainer
+from sljax.checkpoint import CheckpointMismatchError
+from sljax.data import DataConfig, make_source
+from sljax.optim import OptimConfig
+from sljax.trainer import RunConfig
+
+DEFAULT_MODEL = "llama-tiny"
+DATA, OPTIM, RUN = DataConfig(), OptimConfig(), RunConfig()  # the defaults the flags expose
+
+flags.DEFINE_string("model", DEFAULT_MODEL, f"Model preset: {', '.join(PRESETS)}.")
+flags.DEFINE_multi_string("set", [], "Model config override field=value, repeatable (e.g. --set num_layers=8).")
+
+flags.DEFINE_string("data", DATA.name, "Corpus: 'stdlib' (embedded) or a TFDS name prepared as array_record.")
+flags.DEFINE_string("data_dir", DATA.data_dir, "TFDS data_dir (default: TFDS's).")
+flags.DEFINE_string("tokenizer", DATA.tokenizer, "sentencepiece .model or tokenizer.json (default: bytes).")
+flags.DEFINE_string("split", DATA.split, "TFDS split.")
+flags.DEFINE_string("text_key", DATA.text_key, "TFDS feature holding the text.")
+flags.DEFINE_integer("seq_len", DATA.seq_len, "Tokens per sequence.")
+flags.DEFINE_integer("batch_size", DATA.batch_size, "Sequences per step.")
+flags.DEFINE_integer("max_tokens", DATA.max_tokens, "Tokens of the corpus read into memory.")
+flags.DEFINE_integer("seed", DATA.seed, "Seeds the data order and the model's initialization.")
+
+flags.DEFINE_float("learning_rate", OPTIM.learning_rate, "Peak learning rate.")
+flags.DEFINE_integer("warmup_steps", OPTIM.warmup_steps, "Linear warmup steps.")
+# The one flag whose default is not its field's: a library user of OptimConfig has no run length to decay over.
+flags.DEFINE_integer("decay_steps", None, "Cosine decay length (default: --steps; 0: constant after warmup).")
+flags.DEFINE_float("min_lr_ratio", OPTIM.min_lr_ratio, "Final learning rate as a fraction of the peak.")
+flags.DEFINE_float("weight_decay", OPTIM.weight_decay, "AdamW weight decay.")
+flags.DEFINE_float("b1", OPTIM.b1, "Adam beta1.")
+flags.DEFINE_float("b2", OPTIM.b2, "Adam beta2.")
+flags.DEFINE_float("eps", OPTIM.eps, "Adam epsilon.")
+flags.DEFINE_float("grad_clip_norm", OPTIM.grad_clip_norm, "Clip gradients to this global norm (0: off).")
+flags.DEFINE_string("moments_dtype", OPTIM.moments_dtype, "dtype of Adam's first moment.")
+
+flags.DEFINE_integer("steps", RUN.steps, "Total optimizer steps (a resumed run counts the restored ones).")
+flags.DEFINE_string("workdir", RUN.workdir, "Checkpoints, TensorBoard, profile (default: runs/<model>).")
+flags.DEFINE_integer("checkpoint_every", RUN.checkpoint_every, "Save a checkpoint every this many steps.")
+flags.DEFINE_integer("keep_checkpoints", RUN.keep_checkpoints, "Newest checkpoints kept.")
+flags.DEFINE_integer("log_every", RUN.log_every, "Log throughput and refresh the progress bar every this many steps.")
+flags.DEFINE_bool("profile", RUN.profile, f"Trace {trainer.PROFILE_STEPS} steps into <workdir>/profile.")
+
+FLAGS = flags.FLAGS
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+class _OwnInfoOnly(std_logging.Filter):
+  """Orbax logs dozens of INFO lines per checkpoint: keep libraries' warnings and this repo's own INFO lines."""
+
+  def filter(self, record):
+    own = record.pathname.startswith(REPO) and "-packages" not in record.pathname
+    return record.levelno >= std_logging.WARNING or own
+
+
+def configs_from_flags() -> tuple:
+  """(ModelConfig, DataConfig, OptimConfig, RunConfig) from the parsed flags; ValueError on a bad value."""
+  model_cfg = get_config(FLAGS.model, FLAGS.set)
+  data_cfg = DataConfig(
+      name=FLAGS.data, data_dir=FLAGS.data_dir, tokenizer=FLAGS.tokenizer, split=FLAGS.split,
+      text_key=FLAGS.text_key, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size, max_tokens=FLAGS.max_tokens,
+      seed=FLAGS.seed)
+  optim_cfg = OptimConfig(
+      learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
+      decay_steps=FLAGS.steps if FLAGS.decay_steps is None else FLAGS.decay_steps, min_lr_ratio=FLAGS.min_lr_ratio,
+      weight_decay=FLAGS.weight_decay, b1=FLAGS.b1, b2=FLAGS.b2, eps=FLAGS.eps, grad_clip_norm=FLAGS.grad_clip_norm,
+      moments_dtype=FLAGS.moments_dtype)
+  run_cfg = RunConfig(
+      steps=FLAGS.steps, workdir=FLAGS.workdir or os.path.join("runs", FLAGS.model),
+      checkpoint_every=FLAGS.checkpoint_every, keep_checkpoints=FLAGS.keep_checkpoints, log_every=FLAGS.log_every,
+      profile=FLAGS.profile)
+  return model_cfg, data_cfg, optim_cfg, run_cfg
+
+
+def run() -> dict[int, float]:
+  """Checks the request, then trains; returns {step: loss} of the steps run. Bad requests exit with one line."""
+  # Everything that can be wrong with the request is checked here, before the workdir or any array exists.
+  try:
+    model_cfg, data_cfg, optim_cfg, run_cfg = configs_from_flags()
+    source = make_source(data_cfg, model_cfg.max_positions, model_cfg.vocab_size)
+    trainer.check_fits(FLAGS.model, model_cfg, optim_cfg, jax.devices()[0])
+  except ValueError as error:
+    raise SystemExit(f"sljax: {error}") from None
+  logging.info("%s: %.1f M params, %s compute on %s; workdir %s", FLAGS.model, model_cfg.param_count() / 1e6,
+               model_cfg.dtype, jax.devices()[0].device_kind, run_cfg.workdir)
+  meta = {"model": FLAGS.model, "overrides": FLAGS.set, "model_config": dataclasses.asdict(model_cfg),
+          "data": dataclasses.asdict(data_cfg), "optim": dataclasses.asdict(optim_cfg)}
+  try:
+    return trainer.train(model_cfg, source, optim_cfg, run_cfg, meta)
+  except CheckpointMismatchError as error:
+    raise SystemExit(f"sljax: {error}; use another --workdir") from None
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise SystemExit(f"sljax: unexpected arguments {' '.join(argv[1:])}")
+  logging.get_absl_handler().addFilter(_OwnInfoOnly())
+  run()
+
+
+if __name__ == "__main__":
+  app.run(main)
