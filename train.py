@@ -14,11 +14,13 @@ import os
 import jax
 from absl import app, flags, logging
 
-from models.presets import PRESETS, get_config
+from models.presets import PRESETS, build, get_config
 from sljax import trainer
 from sljax.checkpoint import CheckpointMismatchError
 from sljax.data import DataConfig, make_source
 from sljax.optim import OptimConfig
+from sljax.plan import GIB, Budget, default_budget, make_plan
+from sljax.schedule import EngineConfig
 from sljax.trainer import RunConfig
 
 DEFAULT_MODEL = "llama-tiny"
@@ -56,6 +58,15 @@ flags.DEFINE_integer("keep_checkpoints", RUN.keep_checkpoints, "Newest checkpoin
 flags.DEFINE_integer("log_every", RUN.log_every, "Log throughput and refresh the progress bar every this many steps.")
 flags.DEFINE_bool("profile", RUN.profile, f"Trace {trainer.PROFILE_STEPS} steps into <workdir>/profile.")
 
+flags.DEFINE_enum("engine", "auto", ["auto", "device", "offload"],
+                  "Training step: the plain all-on-device step, the SpeedLoader offload engine, or auto (device when "
+                  "the training state fits on the device, else offload).")
+flags.DEFINE_integer("sub_batches", 0, "Offload engine: sub-batches per step (0: the plan chooses).")
+flags.DEFINE_integer("live_layers", 0, "Offload engine: layers per group fetched to the device at once (0: plan).")
+flags.DEFINE_bool("plan", False, "Print the offload engine's plan (placement, bytes per tier, step-time bound), exit.")
+flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit).")
+flags.DEFINE_float("host_memory_gib", 0, "Pinned host memory the plan may use (0: 90% of RAM).")
+
 FLAGS = flags.FLAGS
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -87,21 +98,47 @@ def configs_from_flags() -> tuple:
   return model_cfg, data_cfg, optim_cfg, run_cfg
 
 
+def choose_engine(model_cfg, data_cfg, optim_cfg) -> tuple:
+  """(model config, EngineConfig or None for the all-on-device step); prints the plan when offloading."""
+  device = jax.devices()[0]
+  mode = FLAGS.engine
+  if mode == "auto":
+    try:
+      trainer.check_fits(FLAGS.model, model_cfg, optim_cfg, device)
+      mode = "device"
+    except ValueError:
+      mode = "offload"
+  if mode == "device" and not FLAGS.plan:
+    trainer.check_fits(FLAGS.model, model_cfg, optim_cfg, device)
+    return model_cfg, None
+  # Each group's backward recomputes the group's forward: per-layer remat inside it would recompute twice.
+  model_cfg = dataclasses.replace(model_cfg, remat=False)
+  budget = default_budget(device)
+  budget = Budget(int(FLAGS.device_memory_gib * GIB) or budget.device_bytes,
+                  int(FLAGS.host_memory_gib * GIB) or budget.host_bytes)
+  plan = make_plan(build(model_cfg), data_cfg.seq_len, data_cfg.batch_size, budget, FLAGS.sub_batches,
+                   FLAGS.live_layers, jax.numpy.dtype(optim_cfg.moments_dtype).itemsize, optim_cfg.grad_clip_norm)
+  print(f"plan for {FLAGS.model}, batch {data_cfg.batch_size} x {data_cfg.seq_len}:\n{plan.describe()}")
+  return model_cfg, plan.engine
+
+
 def run() -> dict[int, float]:
   """Checks the request, then trains; returns {step: loss} of the steps run. Bad requests exit with one line."""
   # Everything that can be wrong with the request is checked here, before the workdir or any array exists.
   try:
     model_cfg, data_cfg, optim_cfg, run_cfg = configs_from_flags()
     source = make_source(data_cfg, model_cfg.max_positions, model_cfg.vocab_size)
-    trainer.check_fits(FLAGS.model, model_cfg, optim_cfg, jax.devices()[0])
+    model_cfg, engine_cfg = choose_engine(model_cfg, data_cfg, optim_cfg)
   except ValueError as error:
     raise SystemExit(f"sljax: {error}") from None
+  if FLAGS.plan:
+    return {}
   logging.info("%s: %.1f M params, %s compute on %s; workdir %s", FLAGS.model, model_cfg.param_count() / 1e6,
                model_cfg.dtype, jax.devices()[0].device_kind, run_cfg.workdir)
   meta = {"model": FLAGS.model, "overrides": FLAGS.set, "model_config": dataclasses.asdict(model_cfg),
           "data": dataclasses.asdict(data_cfg), "optim": dataclasses.asdict(optim_cfg)}
   try:
-    return trainer.train(model_cfg, source, optim_cfg, run_cfg, meta)
+    return trainer.train(model_cfg, source, optim_cfg, run_cfg, meta, engine_cfg)
   except CheckpointMismatchError as error:
     raise SystemExit(f"sljax: {error}; use another --workdir") from None
 

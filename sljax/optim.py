@@ -50,10 +50,12 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
       [cfg.warmup_steps])
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, clip: bool = True) -> optax.GradientTransformation:
+  """AdamW behind global-norm clipping; `clip=False` leaves the clipping to the caller (the offload engine clips
+  over all layer groups itself, since it updates one group at a time)."""
   adamw = optax.adamw(
       learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
       mu_dtype=jnp.dtype(cfg.moments_dtype))
-  if cfg.grad_clip_norm:
+  if clip and cfg.grad_clip_norm:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)
   return adamw

@@ -111,11 +111,20 @@ class Engine:
     """Puts group g's master weights or optimizer state where the config keeps them."""
     return self.place.to_device(tree) if self.state_on_device[g] else self.place.to_host(tree)
 
-  def _make_group(self, g: int, master):
-    group = {"master": self._home(g, master), "opt": self._home(g, self._init_opt(master))}
-    if self.separate_weights:
+  def _make_group(self, g: int, master, opt_state=None) -> dict:
+    """A group's state: fp32 master + optimizer state, and (host groups, low-precision compute) the compute-dtype
+    copy that crosses to the device each step. A device group derives its compute weights from its master."""
+    opt_state = self._init_opt(master) if opt_state is None else opt_state
+    group = {"master": self._home(g, master), "opt": self._home(g, opt_state)}
+    if self.separate_weights and not self.state_on_device[g]:
       group["weights"] = self.place.to_host(self._cast(master))
     return group
+
+  def _fetch_weights(self, group: dict):
+    if "weights" in group:
+      return self.place.to_device(group["weights"])
+    master = self.place.to_device(group["master"])
+    return self._cast(master) if self.separate_weights else master
 
   def init(self, key: jax.Array) -> dict:
     """Random init, one group at a time on the device, so the whole model never has to fit there.
@@ -133,6 +142,16 @@ class Engine:
     groups = [self._make_group(g, self.place.to_device(jax.tree.map(lambda x: x[a:b], params["layers"])))
               for g, (a, b) in enumerate(self.groups)]
     return self._state(self.place.to_device(jax.tree.map(jnp.copy, params["outer"])), groups)  # steps donate it
+
+  def abstract_state(self, key: jax.Array) -> dict:
+    """Shapes, dtypes and shardings (memory kinds included) of `init(key)`, allocating nothing."""
+    shapes = jax.eval_shape(self.init, key)
+    placed = lambda tree, sharding: jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
+    groups = [{name: placed(tree, self.place.device() if self.state_on_device[g] and name != "weights"
+                             else self.place.host()) for name, tree in group.items()}
+              for g, group in enumerate(shapes["groups"])]
+    return dict(placed(shapes, self.place.device()), groups=groups)
 
   def _state(self, outer, groups) -> dict:
     return {"step": jnp.zeros((), jnp.int32), "outer": outer, "outer_opt": self._init_opt(outer), "groups": groups}
@@ -173,10 +192,9 @@ class Engine:
 
     outer, groups = state["outer"], state["groups"]
     last = len(groups) - 1
-    weights = [group["weights"] if self.separate_weights else group["master"] for group in groups]
     # Each group's weights cross to the device once forward, once backward; the last group's stay for both.
     order = list(range(last + 1)) + list(range(last - 1, -1, -1))
-    weight_stream = self._prefetch([weights[g] for g in order], self.place.to_device)
+    weight_stream = self._prefetch([groups[g] for g in order], self._fetch_weights)
 
     # Forward, layer-major: boundaries[g][s] is group g's input for sub-batch s.
     boundaries = [[self._stash(self._embed(outer, tokens[s])) for s in range(n)]]
@@ -235,8 +253,4 @@ class Engine:
 
   def _apply(self, g: int, incoming, grads, norm) -> dict:
     master, opt_state = incoming
-    master, opt_state = self._update(master, opt_state, grads, norm)
-    group = {"master": self._home(g, master), "opt": self._home(g, opt_state)}
-    if self.separate_weights:
-      group["weights"] = self.place.to_host(self._cast(master))
-    return group
+    return self._make_group(g, *self._update(master, opt_state, grads, norm))

@@ -14,10 +14,11 @@ from tqdm import tqdm
 
 from models.config import ModelConfig
 from models.presets import build
-from sljax import metrics
+from sljax import metrics, schedule
 from sljax.checkpoint import Checkpointer
 from sljax.data import Source
 from sljax.optim import OptimConfig, learning_rate_schedule, make_optimizer
+from sljax.schedule import EngineConfig
 
 PROFILE_STEPS = 3  # steps traced by --profile, starting after the first (compiling) step of the run
 
@@ -40,11 +41,12 @@ class RunConfig:
 
 
 class Engine(NamedTuple):
-  """How one training step runs. `init` is traceable by `jax.eval_shape` and fixes the state's shardings (memory
-  kinds included), so a checkpoint restores straight into place."""
+  """How one training step runs. `abstract` gives the state's shapes and shardings (memory kinds included) without
+  allocating, so a checkpoint restores straight into place."""
 
   init: Callable  # key -> state
   step: Callable  # (state, batch) -> (state, loss); may donate state
+  abstract: Callable  # key -> state of jax.ShapeDtypeStruct with shardings
 
 
 def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.Device | None = None) -> Engine:
@@ -60,7 +62,15 @@ def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.De
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
 
-  return Engine(jax.jit(init, out_shardings=sharding), jax.jit(step, donate_argnums=0))
+  init = jax.jit(init, out_shardings=sharding)
+  return Engine(init, jax.jit(step, donate_argnums=0), lambda key: jax.eval_shape(init, key))
+
+
+def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig) -> Engine:
+  """The SpeedLoader engine (sljax.schedule): layer-major, sub-batched, with host-resident state."""
+  engine = schedule.Engine(model, make_optimizer(optim_cfg, clip=False),
+                           dataclasses.replace(engine_cfg, grad_clip_norm=optim_cfg.grad_clip_norm))
+  return Engine(engine.init, engine.step, engine.abstract_state)
 
 
 def training_state_bytes(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> int:
@@ -88,19 +98,23 @@ def check_fits(model_name: str, model_cfg: ModelConfig, optim_cfg: OptimConfig, 
     raise ValueError(
         f"{model_name} ({model_cfg.param_count() / 1e9:.2f} B params) needs {needed / gib:.1f} GiB for weights, "
         f"gradients and Adam moments, but {device.device_kind} {device.id} has {available / gib:.1f} GiB; "
-        f"train it with the offload engine (--engine, coming)")
+        f"train it with the offload engine (--engine=offload)")
 
 
-def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cfg: RunConfig, meta: dict
-          ) -> dict[int, float]:
+def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cfg: RunConfig, meta: dict,
+          engine_cfg: EngineConfig | None = None) -> dict[int, float]:
   """Trains to `run_cfg.steps`, resuming from the newest checkpoint in the workdir; returns {step: loss} of the
-  steps this call ran (step n is the loss of the n-th update, 1-based). `meta` is saved with every checkpoint."""
+  steps this call ran (step n is the loss of the n-th update, 1-based). `meta` is saved with every checkpoint.
+  With `engine_cfg` the step is the offload engine's, else the plain all-on-device step."""
   device = jax.devices()[0]
-  engine = all_on_device(build(model_cfg), make_optimizer(optim_cfg), device)
+  if engine_cfg is None:
+    engine = all_on_device(build(model_cfg), make_optimizer(optim_cfg), device)
+  else:
+    engine = offloaded(build(model_cfg), optim_cfg, engine_cfg)
   key = jax.random.key(source.cfg.seed)
   checkpointer = Checkpointer(os.path.join(run_cfg.workdir, "checkpoints"), run_cfg.checkpoint_every,
                               run_cfg.keep_checkpoints)
-  restored = checkpointer.restore_latest(jax.eval_shape(engine.init, key))
+  restored = checkpointer.restore_latest(engine.abstract(key))
   if restored:
     start, state, saved_meta = restored
     saved_optim, optim = saved_meta.get("optim", {}), meta.get("optim", {})

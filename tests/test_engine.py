@@ -112,6 +112,7 @@ def test_state_lives_in_pinned_host_memory_unless_kept_on_device():
   state = engine.init(jax.random.key(0))
   kinds = [{x.sharding.memory_kind for x in jax.tree.leaves(group)} for group in state["groups"]]
   assert kinds[0] == kinds[1] == {HOST}
+  assert "weights" not in state["groups"][2]  # a device group casts its master on the device instead
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state["groups"][2]["master"])} == {"device"}
   # bf16 compute: the copy that crosses to the device each step is bf16, the master fp32.
   assert {x.dtype for x in jax.tree.leaves(state["groups"][0]["weights"])} == {jnp.dtype(jnp.bfloat16)}

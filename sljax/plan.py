@@ -1,0 +1,160 @@
+"""The one-shot tuner: from the model, the batch and the memory budgets, choose how the engine runs, and say why.
+
+It picks the sub-batch size (enough tokens per call to keep the GPU busy), the number of sub-batches, the layers per
+group, whether group-boundary activations wait on the device or in pinned host memory, and how many groups keep
+their fp32 master weights + optimizer state on the device (the rest stream through PCIe once per step). Activation
+memory comes from XLA's compiled memory analysis of the group steps, not from a formula.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from models.config import ModelConfig
+from sljax.schedule import Engine, EngineConfig
+
+GIB = 2**30
+# Measured on one H200 (shared/DESIGN.md): pinned host<->device copies, and a LLaMA-2-13B layer's fraction of the
+# 989 TFLOP/s bf16 peak with cuDNN flash attention. Used only for the predicted step-time bound.
+PCIE_BYTES_PER_S = 53e9
+LAYER_EFFICIENCY = 0.70
+PEAK_FLOPS = 989e12
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  device_bytes: int
+  host_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  engine: EngineConfig
+  sub_batch_size: int
+  device_bytes: dict  # what sits on the device, by kind
+  host_bytes: dict  # what sits in pinned host memory, by kind
+  host_to_device_bytes: int  # per step
+  device_to_host_bytes: int
+  compute_seconds: float  # predicted, at LAYER_EFFICIENCY of the peak
+  budget: Budget
+
+  @property
+  def transfer_seconds(self) -> float:
+    return max(self.host_to_device_bytes, self.device_to_host_bytes) / PCIE_BYTES_PER_S
+
+  def describe(self) -> str:
+    e = self.engine
+    rows = [
+        f"sub-batches {e.sub_batches} x {self.sub_batch_size} rows, {e.live_layers} layer(s) per group, "
+        f"activations {'in pinned host memory' if e.activations_on_host else 'on the device'}, "
+        f"{e.device_state_groups} group(s) keep master weights + optimizer state on the device",
+        _tier("device", self.device_bytes, self.budget.device_bytes),
+        _tier("host", self.host_bytes, self.budget.host_bytes),
+        f"per step: {self.host_to_device_bytes / GIB:.1f} GiB host->device, "
+        f"{self.device_to_host_bytes / GIB:.1f} GiB device->host",
+        f"step time bound: compute {self.compute_seconds:.2f} s, transfer {self.transfer_seconds:.2f} s "
+        f"-> {'compute' if self.compute_seconds >= self.transfer_seconds else 'transfer'}-bound",
+    ]
+    return "\n".join(rows)
+
+
+def _tier(name, parts, budget):
+  items = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items() if v)
+  return f"{name}: {sum(parts.values()) / GIB:.1f} of {budget / GIB:.1f} GiB ({items})"
+
+
+def default_budget(device: jax.Device | None = None) -> Budget:
+  """The allocator's limit on the accelerator, and the machine's RAM for pinned host memory (both less headroom)."""
+  device = device or jax.devices()[0]
+  with open("/proc/meminfo") as f:
+    host = int(dict(line.split(":", 1) for line in f)["MemTotal"].split()[0]) * 1024
+  stats = device.memory_stats() or {} if device.platform != "cpu" else {}
+  return Budget(device_bytes=int(stats.get("bytes_limit", host // 2)), host_bytes=int(host * 0.9))
+
+
+def _peak_step_bytes(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> int:
+  """XLA's temp + output bytes for the largest per-sub-batch call (the last group: forward, head, backward)."""
+  engine = Engine(model, optax.sgd(0.0), cfg)
+  m = model.cfg
+  shape = lambda *s, dtype=m.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+  weights = jax.eval_shape(lambda: engine._cast_fn(model.init_layers(jax.random.split(jax.random.key(0), cfg.live_layers))))
+  outer = jax.eval_shape(lambda: model.init_outer(jax.random.key(0)))
+  x = shape(sub_batch, seq_len, m.hidden_size)
+  tokens = shape(sub_batch, seq_len, dtype=jnp.int32)
+  grads = jax.eval_shape(engine._zeros, weights)
+  outer_grads = jax.eval_shape(engine._zeros, outer)
+  peaks = []
+  for fn, args in [(engine._last_group, (weights, outer, x, tokens, shape(sub_batch, seq_len, dtype=jnp.float32),
+                                         shape(dtype=jnp.float32), grads, outer_grads)),
+                   (engine._backward, (weights, x, x, grads))]:
+    analysis = fn.lower(*args).compile().memory_analysis()
+    peaks.append(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
+  return max(peaks)
+
+
+def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches: int = 0, live_layers: int = 0,
+              moments_bytes: int = 4, grad_clip_norm: float = 0.0, sub_batch_tokens: int = 16384) -> Plan:
+  """Chooses the engine's settings; 0 for sub_batches / live_layers means "choose". ValueError when it cannot fit."""
+  m: ModelConfig = model.cfg
+  if sub_batches:
+    if batch_size % sub_batches:
+      raise ValueError(f"batch_size {batch_size} is not divisible by {sub_batches} sub-batches")
+    sub_batch = batch_size // sub_batches
+  else:  # the largest divisor of the batch that stays within sub_batch_tokens (at least one row)
+    sub_batch = max(d for d in range(1, batch_size + 1) if batch_size % d == 0 and (d * seq_len <= sub_batch_tokens
+                                                                                 or d == 1))
+  live = live_layers or 1
+  groups = math.ceil(m.num_layers / live)
+  compute_bytes = jnp.dtype(m.dtype).itemsize
+  master_bytes = jnp.dtype(m.param_dtype).itemsize
+  layer = m.layer_param_count()
+  state_per_group = live * layer * (master_bytes + 2 * moments_bytes)  # fp32 master + two moments (AdamW)
+  act = sub_batch * seq_len * m.hidden_size * compute_bytes
+  stash = (groups + 1) * (batch_size // sub_batch) * act  # every group boundary, plus one level of gradients
+
+  cfg = EngineConfig(sub_batches=batch_size // sub_batch, live_layers=live, grad_clip_norm=grad_clip_norm)
+  peak = _peak_step_bytes(model, cfg, sub_batch, seq_len)
+  fixed_device = {
+      "embeddings+head (params, moments, grads)": m.outer_param_count() * (master_bytes + 2 * moments_bytes + 4),
+      "group weights (2 in flight)": 2 * live * layer * compute_bytes,
+      "group grads": live * layer * 4,
+      "group state in update (2)": 2 * state_per_group,
+      "activations in flight": 4 * act,
+      "compiled step peak": peak,
+  }
+  free = budget.device_bytes - sum(fixed_device.values())
+  if free < 0:
+    raise ValueError(f"{sum(fixed_device.values()) / GIB:.1f} GiB of device memory is needed for one group's step "
+                     f"(sub-batch {sub_batch} x {seq_len}), but the device has {budget.device_bytes / GIB:.1f} GiB; "
+                     f"lower the sub-batch size or the sequence length")
+
+  if free >= groups * state_per_group + stash:  # everything fits: keep it all on the device, no PCIe traffic
+    on_host, device_groups = False, groups
+  else:
+    on_host, device_groups = True, min(groups, max(0, free // state_per_group))
+  host_groups = groups - device_groups
+  device_bytes = dict(fixed_device, **{"resident group state": device_groups * state_per_group,
+                                       "activation stash": 0 if on_host else stash})
+  host_weights = host_groups * live * layer * compute_bytes if compute_bytes != master_bytes else 0
+  host_bytes = {"group weights": host_weights, "group state": host_groups * state_per_group,
+                "activation stash": stash if on_host else 0}
+  if sum(host_bytes.values()) > budget.host_bytes:
+    needed = sum(host_bytes.values()) + sum(device_bytes.values())
+    raise ValueError(
+        f"training state and activations need {needed / GIB:.1f} GiB; the device has {budget.device_bytes / GIB:.1f} "
+        f"GiB and pinned host memory {budget.host_bytes / GIB:.1f} GiB (host part needs "
+        f"{sum(host_bytes.values()) / GIB:.1f}); lower batch_size, or use bf16 moments (--moments_dtype=bfloat16)")
+
+  weight_bytes = host_groups * live * layer * compute_bytes
+  acts_each_way = (2 * groups) * batch_size * seq_len * m.hidden_size * compute_bytes if on_host else 0
+  h2d = 2 * weight_bytes + host_groups * state_per_group + acts_each_way
+  d2h = weight_bytes + host_groups * state_per_group + acts_each_way
+  tokens = batch_size * seq_len
+  flops = tokens * m.flops_per_token(seq_len) * 4 / 3  # backward recomputes each group's forward
+  return Plan(
+      engine=dataclasses.replace(cfg, activations_on_host=on_host, device_state_groups=device_groups),
+      sub_batch_size=sub_batch, device_bytes=device_bytes, host_bytes=host_bytes, host_to_device_bytes=h2d,
+      device_to_host_bytes=d2h, compute_seconds=flops / (PEAK_FLOPS * LAYER_EFFICIENCY), budget=budget)
