@@ -57,7 +57,7 @@ BAD_REQUESTS = {
     "override num_layers wants a int": ["--set=num_layers=two"],
     "batch_size must be positive": ["--batch_size=0"],
     "seq_len 4096 exceeds the model's max_positions 512": ["--seq_len=4096"],
-    "offload engine": ["--model=llama70b"],  # 70 B params x 16 bytes fit no single device or host here
+    "GiB of device memory is needed": ["--model=llama70b"],  # too big even for the offload engine here
 }
 
 
