@@ -8,6 +8,7 @@ memory comes from XLA's compiled memory analysis of the group steps, not from a 
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -67,12 +68,15 @@ def _tier(name, parts, budget):
 
 
 def default_budget(device: jax.Device | None = None) -> Budget:
-  """The allocator's limit on the accelerator, and the machine's RAM for pinned host memory (both less headroom)."""
+  """The allocator's limit on the accelerator; for pinned host memory 90% of RAM, capped on GPU by XLA's pinned pool
+  (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, 64 GB unless set)."""
   device = device or jax.devices()[0]
   with open("/proc/meminfo") as f:
-    host = int(dict(line.split(":", 1) for line in f)["MemTotal"].split()[0]) * 1024
-  stats = device.memory_stats() or {} if device.platform != "cpu" else {}
-  return Budget(device_bytes=int(stats.get("bytes_limit", host // 2)), host_bytes=int(host * 0.9))
+    host = int(int(dict(line.split(":", 1) for line in f)["MemTotal"].split()[0]) * 1024 * 0.9)
+  if device.platform == "cpu":
+    return Budget(device_bytes=host // 2, host_bytes=host // 2)
+  pinned_pool = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * 10**9
+  return Budget(device_bytes=int(device.memory_stats()["bytes_limit"]), host_bytes=min(host, pinned_pool))
 
 
 def _peak_step_bytes(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> int:

@@ -1,0 +1,274 @@
+"""Training throughput on one GPU: the SpeedLoader engine against the plain step and two streaming baselines.
+
+  python benchmarks/train_throughput.py --out=benchmarks/results/train_throughput_h200.json
+  python benchmarks/train_throughput.py --smoke   # tiny shapes, any machine: checks the code paths
+
+Cases (each recorded with tokens/s, MFU, hardware FLOPs utilization, peak device / host memory, bytes moved):
+  big        llama13b, seq 2048, the plan's placement (its training state fits neither the GPU nor host RAM alone)
+  fits/*     a model that fits on the device, same batch:
+             device      the plain all-on-device jitted step (scan over layers, remat)
+             engine      the engine, placed by the plan (all on the device when it fits)
+             streamed    the engine with everything on the host (weights, state, activations)
+             per_micro   weights streamed per micro-batch with gradient accumulation (what ZeRO-3 offload does)
+             in_jit_scan weights streamed by a lax.scan inside one jit with device_put in its body (JAX's native way)
+"""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.97")
+os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "115")  # pinned host pool: XLA's default is smaller
+
+import dataclasses
+import datetime
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models.presets import build, get_config  # noqa: E402
+from sljax import plan as planner  # noqa: E402
+from sljax.memory import HOST, Placement  # noqa: E402
+from sljax.schedule import Engine, EngineConfig  # noqa: E402
+
+flags.DEFINE_string("out", "", "Write the results JSON here.")
+flags.DEFINE_bool("smoke", False, "Tiny shapes: checks every code path on any machine in a minute.")
+flags.DEFINE_list("cases", "big,fits", "Which cases to run.")
+flags.DEFINE_integer("big_batch", 32, "llama13b effective batch (sequences of --seq_len).")
+flags.DEFINE_integer("fits_batch", 16, "Effective batch of the model that fits.")
+flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
+flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).")
+flags.DEFINE_string("fits_model", "llama7b", "Preset of the model that fits.")
+flags.DEFINE_multi_string("fits_set", ["num_layers=8"], "Overrides of the model that fits.")
+flags.DEFINE_float("host_memory_gib", 100, "Pinned host memory the plan may use (below XLA's pinned pool limit).")
+FLAGS = flags.FLAGS
+
+PEAK = 989e12
+
+
+def batch_of(rows, seq, vocab, seed=0):
+  tokens = np.random.default_rng(seed).integers(0, vocab, (rows, seq + 1)).astype(np.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((rows, seq), np.float32)}
+
+
+def hardware_flops_per_token(cfg, seq, recomputed_fraction):
+  """Model FLOPs plus the forward passes the schedule runs twice (a third of a layer's training FLOPs each)."""
+  layer_part = cfg.flops_per_token(seq) - 6 * cfg.vocab_size * cfg.embed_dim
+  return cfg.flops_per_token(seq) + recomputed_fraction * layer_part / 3
+
+
+def timed(step, state, batch, steps):
+  """Median seconds per step after one warm-up step; waits only at the end of each step."""
+  state, loss = step(state, batch)
+  jax.block_until_ready(loss)
+  times, losses = [], []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, loss = step(state, batch)
+    losses.append(float(loss))  # waits for the step
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), times, losses, state
+
+
+def device_peak_bytes():
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+def record(name, cfg, rows, seq, seconds, times, losses, recomputed_fraction, extra):
+  tokens_per_s = rows * seq / seconds
+  result = {
+      "case": name, "tokens_per_s": tokens_per_s, "step_seconds": seconds, "step_seconds_all": times,
+      "losses": losses, "mfu": tokens_per_s * cfg.flops_per_token(seq) / PEAK,
+      "hfu": tokens_per_s * hardware_flops_per_token(cfg, seq, recomputed_fraction) / PEAK,
+      "peak_device_bytes": device_peak_bytes(), "peak_host_rss_bytes": resource.getrusage(
+          resource.RUSAGE_SELF).ru_maxrss * 1024, **extra}
+  print(f"{name:28s} {tokens_per_s:10.0f} tok/s  MFU {result['mfu']:.3f}  HFU {result['hfu']:.3f}  "
+        f"step {seconds:.3f} s", flush=True)
+  return result
+
+
+def run_engine(name, model, optimizer, engine_cfg, batch, steps, key):
+  engine = Engine(model, optimizer, engine_cfg)
+  state = engine.init(key)
+  before = dict(engine.place.moved)
+  seconds, times, losses, state = timed(engine.step, state, batch, steps)
+  moved = {k: (engine.place.moved[k] - before[k]) // (steps + 1) for k in before}  # every step moves the same
+  groups = len(engine.groups)
+  rows, seq = batch["inputs"].shape
+  return record(name, model.cfg, rows, seq, seconds, times, losses, (groups - 1) / groups,
+                {"engine": dataclasses.asdict(engine_cfg), "bytes_moved_per_step": moved})
+
+
+def all_on_device_step(model, optimizer):
+  def step(state, batch):
+    loss, grads = jax.value_and_grad(model.loss)(state["params"], batch)
+    updates, opt_state = optimizer.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, loss
+  return jax.jit(step, donate_argnums=0)
+
+
+def per_micro_batch_step(engine: Engine, micro_batches: int):
+  """ZeRO-3-offload order: every micro-batch streams every group's weights in and out again; group gradients
+  accumulate on the device across micro-batches (kinder to the baseline than ZeRO's host accumulation); then one
+  update per group. Reuses the engine's jitted pieces so only the order differs."""
+  place = engine.place
+
+  def step(state, batch):
+    outer, groups = state["outer"], state["groups"]
+    grads = [engine._zeros(engine._fetch_weights(g)) for g in groups]
+    outer_grads = engine._zeros(outer)
+    inv_total = np.float32(1.0 / np.sum(batch["weights"]))
+    losses = []
+    for part in range(micro_batches):
+      rows = slice(part * len(batch["inputs"]) // micro_batches, (part + 1) * len(batch["inputs"]) // micro_batches)
+      tokens, targets, weights = (place.to_device(batch[k][rows]) for k in ("inputs", "targets", "weights"))
+      order = list(range(len(groups))) + list(range(len(groups) - 2, -1, -1))
+      stream = engine._prefetch([groups[g] for g in order], engine._fetch_weights)
+      xs = [engine._embed(outer, tokens)]
+      for _ in range(len(groups) - 1):
+        xs.append(engine._forward(next(stream), xs[-1]))
+      loss, dx, grads[-1], outer_grads = engine._last_group(
+          next(stream), outer, xs[-1], targets, weights, inv_total, grads[-1], outer_grads)
+      losses.append(loss)
+      for g in range(len(groups) - 2, -1, -1):
+        dx, grads[g] = engine._backward(next(stream), xs[g], dx, grads[g])
+      outer_grads = engine._embed_backward(outer, tokens, dx, outer_grads)
+    zero = jnp.zeros((), jnp.float32)
+    new_groups = [engine._apply(g, place.to_device((group["master"], group["opt"])), grads[g], zero)
+                  for g, group in enumerate(groups)]
+    new_outer, new_opt = engine._update(outer, state["outer_opt"], outer_grads, zero)
+    return {"step": state["step"] + 1, "outer": new_outer, "outer_opt": new_opt, "groups": new_groups}, sum(losses)
+  return step
+
+
+def in_jit_scan_step(model, optimizer, place: Placement):
+  """One jit: a lax.scan over layers whose body copies that layer's weights from pinned host memory with
+  device_put; gradients come back through the copy's transpose. The update runs on the device per step."""
+  cfg = model.cfg
+
+  def loss_fn(layers_host, outer, batch):
+    def body(h, layer_host):
+      layer = jax.device_put(layer_host, place.device())
+      return model.block(cfg).apply({"params": layer}, h), None
+    h = model.embed(outer, batch["inputs"]).astype(cfg.dtype)
+    h, _ = lax.scan(jax.checkpoint(body), h, layers_host)
+    return model.head_loss(outer, h, batch["targets"], batch["weights"]) / jnp.sum(batch["weights"])
+
+  def step(state, batch):
+    loss, (g_layers, g_outer) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state["layers"], state["outer"], batch)
+    g_layers = jax.device_put(g_layers, place.device())
+    master = jax.device_put(state["master"], place.device())
+    opt = jax.device_put(state["opt"], place.device())
+    grads = {"layers": g_layers, "outer": g_outer}
+    updates, opt = optimizer.update(grads, opt, master)
+    master = optax.apply_updates(master, updates)
+    layers = jax.device_put(jax.tree.map(lambda x: x.astype(cfg.dtype), master["layers"]), place.host())
+    return {"layers": layers, "outer": master["outer"], "master": jax.device_put(master, place.host()),
+            "opt": jax.device_put(opt, place.host())}, loss
+  return jax.jit(step, donate_argnums=0)
+
+
+def fits_cases(model, optimizer, rows, seq, steps, key):
+  batch = batch_of(rows, seq, model.cfg.vocab_size)
+  device_model = build(dataclasses.replace(model.cfg, remat=True))
+  params = device_model.init(key)
+  state = {"params": params, "opt": optimizer.init(params)}
+  seconds, times, losses, state = timed(all_on_device_step(device_model, optimizer), state, batch, steps)
+  keep(record("fits/device", model.cfg, rows, seq, seconds, times, losses, 1.0, {}))
+  del state, params
+
+  budget = planner.default_budget()
+  plan = planner.make_plan(model, seq, rows, budget)
+  print(plan.describe(), flush=True)
+  keep(run_engine("fits/engine", model, optimizer, plan.engine, batch, steps, key))
+  RESULTS[-1]["plan"] = plan.describe()
+  streamed = dataclasses.replace(plan.engine, activations_on_host=True, device_state_groups=0)
+  keep(run_engine("fits/streamed", model, optimizer, streamed, batch, steps, key))
+
+  per_micro_cfg = dataclasses.replace(streamed, sub_batches=1, activations_on_host=False)  # ZeRO keeps them on GPU
+  engine = Engine(model, optimizer, per_micro_cfg)
+  step = per_micro_batch_step(engine, plan.engine.sub_batches)
+  seconds, times, losses, _ = timed(step, engine.init(key), batch, steps)
+  keep(record("fits/per_micro_batch", model.cfg, rows, seq, seconds, times, losses, 0.0,
+                        {"micro_batches": plan.engine.sub_batches}))
+
+  place = Placement.single()
+  try:
+    master = model.init(key)
+    state = {"layers": place.to_host(jax.tree.map(lambda x: x.astype(model.cfg.dtype), master["layers"])),
+             "outer": master["outer"], "master": place.to_host(master), "opt": place.to_host(optimizer.init(master))}
+    del master
+    seconds, times, losses, _ = timed(in_jit_scan_step(model, optimizer, place), state, batch, steps)
+    keep(record("fits/in_jit_scan", model.cfg, rows, seq, seconds, times, losses, 1.0, {}))
+  except Exception as error:  # noqa: BLE001 — a baseline that does not run is reported, not hidden
+    keep({"case": "fits/in_jit_scan", "error": f"{type(error).__name__}: {error}"[:2000]})
+    print("fits/in_jit_scan failed:", RESULTS[-1]["error"][:300], flush=True)
+
+
+def main(argv):
+  del argv
+  key = jax.random.key(0)
+  optimizer = optax.adamw(1e-4, weight_decay=0.1)
+  seq = 64 if FLAGS.smoke else FLAGS.seq_len
+  if "big" in FLAGS.cases:
+    overrides = dict(num_layers=4, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=4,
+                     remat=False) if FLAGS.smoke else dict(remat=False)
+    model = build(get_config("llama13b", overrides))
+    rows = 4 if FLAGS.smoke else FLAGS.big_batch
+    budget = dataclasses.replace(planner.default_budget(), host_bytes=int(FLAGS.host_memory_gib * planner.GIB))
+    plan = planner.make_plan(model, seq, rows, budget)
+    print(plan.describe(), flush=True)
+    result = run_engine("big/llama13b", model, optimizer, plan.engine, batch_of(rows, seq, model.cfg.vocab_size),
+                        FLAGS.steps, key)
+    result.update(plan=plan.describe(), predicted_compute_s=plan.compute_seconds,
+                  predicted_transfer_s=plan.transfer_seconds)
+    keep(result)
+  if "fits" in FLAGS.cases:
+    overrides = dict(num_layers=4, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=4) \
+        if FLAGS.smoke else dict(kv.split("=") for kv in FLAGS.fits_set)
+    model = build(get_config(FLAGS.fits_model, {**overrides, "remat": False} if FLAGS.smoke else
+                             [f"{k}={v}" for k, v in overrides.items()] + ["remat=false"]))
+    fits_cases(model, optimizer, 4 if FLAGS.smoke else FLAGS.fits_batch, seq, FLAGS.steps, key)
+
+
+
+RESULTS = []
+
+
+def keep(result):
+  """Records a case and rewrites the JSON, so a crash or time-out later keeps what ran."""
+  RESULTS.append(result)
+  results = RESULTS
+  seq = 64 if FLAGS.smoke else FLAGS.seq_len
+  by_case = {r["case"]: r for r in results}
+  ratios = {}
+  if "fits/engine" in by_case and "fits/device" in by_case:
+    ratios["engine_over_all_on_device"] = by_case["fits/engine"]["tokens_per_s"] / by_case["fits/device"]["tokens_per_s"]
+  for baseline in ("fits/per_micro_batch", "fits/in_jit_scan"):
+    if baseline in by_case and "tokens_per_s" in by_case[baseline] and "fits/streamed" in by_case:
+      ratios[f"streamed_engine_over_{baseline.split('/')[1]}"] = (
+          by_case["fits/streamed"]["tokens_per_s"] / by_case[baseline]["tokens_per_s"])
+  out = {
+      "command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
+      "peak_flops": PEAK, "seq_len": seq, "results": results, "ratios": ratios,
+      "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")}}
+  if FLAGS.out:
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+      json.dump(out, f, indent=1)
+  return result
+
+
+if __name__ == "__main__":
+  app.run(main)
