@@ -153,9 +153,11 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
         f"{sum(host_bytes.values()) / GIB:.1f}); lower batch_size, or use bf16 moments (--moments_dtype=bfloat16)")
 
   weight_bytes = host_groups * live * layer * compute_bytes
-  acts_each_way = (2 * groups) * batch_size * seq_len * m.hidden_size * compute_bytes if on_host else 0
-  h2d = 2 * weight_bytes + host_groups * state_per_group + acts_each_way
-  d2h = weight_bytes + host_groups * state_per_group + acts_each_way
+  # Activation levels (one hidden state per row of the batch) moved per step; see Engine.step: in, every group's input
+  # forward + its input and output-gradient backward + the embedding's gradient; out, every group's input and gradient.
+  level = batch_size * seq_len * m.hidden_size * compute_bytes if on_host else 0
+  h2d = 2 * weight_bytes + host_groups * state_per_group + (3 * groups - 1) * level
+  d2h = weight_bytes + host_groups * state_per_group + 2 * groups * level
   tokens = batch_size * seq_len
   flops = tokens * m.flops_per_token(seq_len) * 4 / 3  # backward recomputes each group's forward
   return Plan(

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sljax.memory import Placement
+from sljax.memory import HOST, Placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,14 @@ class EngineConfig:
 
 def _add(acc, grads):
   return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+
+
+def _release(tree):
+  """Frees the pinned host buffers of state a step has replaced, as soon as their copies are issued (the step
+  consumes its input state, as donation does on the device). Without this, host state would be held twice."""
+  for x in jax.tree.leaves(tree):
+    if x.sharding.memory_kind == HOST:
+      x.delete()
 
 
 def _clip(grads, norm, max_norm):
@@ -139,9 +147,10 @@ class Engine:
 
   def from_params(self, params: dict) -> dict:
     """Lays out full-model params ({"outer", "layers"}, on any device or numpy) as engine state."""
-    groups = [self._make_group(g, self.place.to_device(jax.tree.map(lambda x: x[a:b], params["layers"])))
+    copy = lambda tree: self.place.to_device(jax.tree.map(jnp.copy, tree))  # steps consume state: not the caller's
+    groups = [self._make_group(g, copy(jax.tree.map(lambda x: x[a:b], params["layers"])))
               for g, (a, b) in enumerate(self.groups)]
-    return self._state(self.place.to_device(jax.tree.map(jnp.copy, params["outer"])), groups)  # steps donate it
+    return self._state(copy(params["outer"]), groups)
 
   def abstract_state(self, key: jax.Array) -> dict:
     """Shapes, dtypes and shardings (memory kinds included) of `init(key)`, allocating nothing."""
@@ -208,7 +217,7 @@ class Engine:
     incoming = self._fetch_state(groups[last])
     grads, outer_grads = self._zeros(w), self._zeros(outer)
     losses, cotangents = [], []
-    for s, x in enumerate(self._prefetch(boundaries[last])):
+    for s, x in enumerate(self._prefetch(boundaries.pop())):
       loss, dx, grads, outer_grads = self._last_group(
           w, outer, x, targets[s], loss_weights[s], inv_total, grads, outer_grads)
       losses.append(loss)
@@ -220,7 +229,7 @@ class Engine:
       w = next(weight_stream)
       incoming = self._fetch_state(groups[g])
       grads, dxs = self._zeros(w), []
-      for x, dy in zip(self._prefetch(boundaries[g]), self._prefetch(cotangents)):
+      for x, dy in zip(self._prefetch(boundaries.pop()), self._prefetch(cotangents)):
         dx, grads = self._backward(w, x, dy, grads)
         dxs.append(self._stash(dx))
       cotangents = dxs
@@ -233,7 +242,7 @@ class Engine:
     if parked:  # clipping: every gradient is known only now, so the parked updates run here
       norm = jnp.sqrt(sum(sq for *_, sq in parked) + self._sq_norm(outer_grads))
       for g, incoming, grads, _ in parked:
-        new_groups[g] = self._apply(g, self.place.to_device(incoming), self.place.to_device(grads), norm)
+        new_groups[g] = self._apply(g, self._take(incoming), self._take(grads), norm)
     new_outer, new_outer_opt = self._update(outer, state["outer_opt"], outer_grads, norm)
     new_state = {"step": state["step"] + 1, "outer": new_outer, "outer_opt": new_outer_opt, "groups": new_groups}
     return new_state, sum(losses)
@@ -241,10 +250,17 @@ class Engine:
   def _fetch_state(self, group: dict):
     """Starts bringing a group's master weights and optimizer state to the device, ahead of its update."""
     state = (group["master"], group["opt"])
-    return state if self.cfg.grad_clip_norm > 0 else self.place.to_device(state)  # clipping fetches them later
+    return state if self.cfg.grad_clip_norm > 0 else self._take(state)  # clipping fetches them later
+
+  def _take(self, tree):
+    """Moves host-resident state to the device and frees its host buffers (device state moves nowhere)."""
+    moved = self.place.to_device(tree)
+    _release(tree)
+    return moved
 
   def _finish_group(self, g: int, incoming, grads, new_groups: list, parked: list):
     """Updates group g now that its gradient is complete, or (clipping) parks it until the global norm is known."""
+    _release(new_groups[g].get("weights"))  # the old compute copy: its last fetch (for backward) is issued
     if self.cfg.grad_clip_norm > 0:
       stashed = grads if self.state_on_device[g] else self.place.to_host(grads)
       parked.append((g, incoming, stashed, self._sq_norm(grads)))

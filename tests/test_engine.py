@@ -130,3 +130,23 @@ def test_batch_not_divisible_by_sub_batches_is_refused():
   state = engine.init(jax.random.key(0))
   with pytest.raises(ValueError, match="not divisible by 3 sub-batches"):
     engine.step(state, make_batch(np.random.default_rng(0), 4, 8))
+
+
+def test_bytes_moved_per_step_match_the_schedule():
+  """Everything on the host: per step, each group's weights cross twice (the last group's once), its state once each
+  way, and activations 3 levels per group in (less one), 2 out (see Engine.step)."""
+  model, engine = tiny_engine(sub_batches=2, live_layers=1, grad_clip_norm=0.5)
+  state = engine.init(jax.random.key(0))
+  batch = make_batch(np.random.default_rng(0), 4, 8)
+  before = dict(engine.place.moved)
+  engine.step(state, batch)
+  moved = {k: engine.place.moved[k] - before[k] for k in before}
+  groups = len(engine.groups)
+  bytes_of = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  weights = bytes_of(state["groups"][0]["weights"])  # deleted arrays still know their shapes
+  group_state = bytes_of((state["groups"][0]["master"], state["groups"][0]["opt"]))
+  grads = bytes_of(state["groups"][0]["master"])  # clipping parks fp32 gradients on the host until the norm is known
+  level = 4 * 8 * model.cfg.hidden_size * 2  # one bf16 hidden state for the whole batch
+  tokens = 3 * 4 * 8 * 4  # inputs, targets, weights
+  assert moved["host_to_device"] == tokens + groups * (2 * weights + group_state + grads + 3 * level) - weights - level
+  assert moved["device_to_host"] == groups * (weights + group_state + grads + 2 * level)

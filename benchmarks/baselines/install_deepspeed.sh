@@ -3,9 +3,9 @@
 #
 # Reads .dsdeps/ (git-ignored; carry it to the GPU machine): DeepSpeed's source distribution from PyPI plus the
 # wheels of the dependencies the GPU image lacks (hjson, pydantic, pydantic-core cp312, annotated-types,
-# typing-inspection, typing-extensions; and setuptools + wheel, used only if the image lacks them). Everything else DeepSpeed needs (torch, numpy, ninja, msgpack, einops,
-# psutil, py-cpuinfo, packaging, tqdm, setuptools, wheel) is already in that image. None of this belongs in the
-# project's requirements.txt.
+# typing-inspection, typing-extensions >= 4.16 where the image's is older; setuptools + wheel are there too but used
+# only if the image lacks them). Everything else DeepSpeed needs (torch, numpy, ninja, msgpack, einops, psutil,
+# py-cpuinfo, packaging, tqdm) is already in that image. None of this belongs in the project's requirements.txt.
 #
 # DS_BUILD_OPS=0: no op is compiled at install time; DeepSpeedCPUAdam builds itself on first use (a plain C++
 # extension through torch.utils.cpp_extension + ninja + g++ -fopenmp; no nvcc), which needs Python.h.
