@@ -147,7 +147,20 @@ def main(argv):
   if len(argv) > 1:
     raise SystemExit(f"sljax: unexpected arguments {' '.join(argv[1:])}")
   logging.get_absl_handler().addFilter(_OwnInfoOnly())
+  set_pinned_pool()
   run()
+
+
+def set_pinned_pool():
+  """XLA's GPU pinned host pool defaults to 64 GB and grows by doubling regions; before the backend starts, size it
+  to the plan's host budget (--host_memory_gib) or 3/4 of RAM, so that host-resident state fits but the pool's
+  growth cannot take the whole machine."""
+  if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in os.environ:
+    return
+  with open("/proc/meminfo") as f:
+    ram_gb = int(dict(line.split(":", 1) for line in f)["MemTotal"].split()[0]) * 1024 / 1e9
+  pool_gb = FLAGS.host_memory_gib * GIB / 1e9 * 1.1 if FLAGS.host_memory_gib else 0.75 * ram_gb
+  os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(int(pool_gb))
 
 
 if __name__ == "__main__":
