@@ -117,7 +117,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   layer = m.layer_param_count()
   state_per_group = live * layer * (master_bytes + 2 * moments_bytes)  # fp32 master + two moments (AdamW)
   act = sub_batch * seq_len * m.hidden_size * compute_bytes
-  stash = (groups + 1) * (batch_size // sub_batch) * act  # every group boundary, plus one level of gradients
+  stash = (groups - 1) * (batch_size // sub_batch) * act  # every group's input but the last group's
 
   cfg = EngineConfig(sub_batches=batch_size // sub_batch, live_layers=live, grad_clip_norm=grad_clip_norm)
   peak = _peak_step_bytes(model, cfg, sub_batch, seq_len)
@@ -126,7 +126,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
       "group weights (2 in flight)": 2 * live * layer * compute_bytes,
       "group grads": live * layer * 4,
       "group state in update (2)": 2 * state_per_group,
-      "activations in flight": 4 * act,
+      "activations in flight": 3 * (batch_size // sub_batch) * act,  # a group's inputs, outputs, gradients
       "compiled step peak": peak,
   }
   free = budget.device_bytes - sum(fixed_device.values())
@@ -153,11 +153,10 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
         f"{sum(host_bytes.values()) / GIB:.1f}); lower batch_size, or use bf16 moments (--moments_dtype=bfloat16)")
 
   weight_bytes = host_groups * live * layer * compute_bytes
-  # Activation levels (one hidden state per row of the batch) moved per step; see Engine.step: in, every group's input
-  # forward + its input and output-gradient backward + the embedding's gradient; out, every group's input and gradient.
+  # Each group's input but the last's is stashed and fetched back once per step (one hidden state per row: a level).
   level = batch_size * seq_len * m.hidden_size * compute_bytes if on_host else 0
-  h2d = 2 * weight_bytes + host_groups * state_per_group + (3 * groups - 1) * level
-  d2h = weight_bytes + host_groups * state_per_group + 2 * groups * level
+  h2d = 2 * weight_bytes + host_groups * state_per_group + (groups - 1) * level
+  d2h = weight_bytes + host_groups * state_per_group + (groups - 1) * level
   tokens = batch_size * seq_len
   flops = tokens * m.flops_per_token(seq_len) * 4 / 3  # backward recomputes each group's forward
   return Plan(

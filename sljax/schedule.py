@@ -2,15 +2,16 @@
 
 One step, top to bottom (see `Engine.step`):
 
-  embed every sub-batch                                   -> stash h[0][s]
-  for each group g but the last:    fetch W_g once, run every sub-batch through it -> stash h[g+1][s]
-  last group:                       forward + head + backward per sub-batch in one call -> stash dh[G-1][s]
-  for each group g, last-but-one down to 0: fetch W_g once, recompute + backward every sub-batch,
-                                    accumulate dW_g on the device -> stash dh[g][s]; update group g
+  embed every sub-batch                                          -> h[0][s] on the device
+  for each group g but the last: fetch W_g once; stash h[g][s] to host; run every sub-batch -> h[g+1][s]
+  last group:  forward + head + backward per sub-batch in one call                            -> dh[G-1][s]
+  for each group g, last-but-one down to 0: fetch W_g once; fetch the stashed h[g][s] back; recompute + backward
+               every sub-batch, accumulating dW_g on the device -> dh[g][s]; update group g (its state streams in
+               and out while the next group computes)
   embedding backward per sub-batch; update the embeddings and head
 
-The loop is plain Python that dispatches jitted calls asynchronously; every transfer is issued one item ahead of
-its use (`_prefetch`), so copies run while the previous item computes. Nothing in it waits for the device.
+The loop is plain Python that dispatches jitted calls asynchronously; every transfer is issued ahead of its use
+(`_prefetch`), so copies run while the previous item computes. Nothing in it waits for the device.
 """
 
 import dataclasses
@@ -69,9 +70,8 @@ class Engine:
     self.compute_dtype = jnp.dtype(model.cfg.dtype)
     self.separate_weights = jnp.dtype(model.cfg.param_dtype) != self.compute_dtype
 
-    host_acts = cfg.activations_on_host
     self._embed = jax.jit(model.embed)
-    self._forward = jax.jit(model.layers, donate_argnums=(1,) if host_acts else ())
+    self._forward = jax.jit(model.layers)  # its input is still being stashed: not donated
     self._last_group = jax.jit(self._last_group_fn, donate_argnums=(2, 6, 7))
     self._backward = jax.jit(self._backward_fn, donate_argnums=(1, 3))
     self._embed_backward = jax.jit(self._embed_backward_fn, donate_argnums=(3,))
@@ -205,37 +205,43 @@ class Engine:
     order = list(range(last + 1)) + list(range(last - 1, -1, -1))
     weight_stream = self._prefetch([groups[g] for g in order], self._fetch_weights)
 
-    # Forward, layer-major: boundaries[g][s] is group g's input for sub-batch s.
-    boundaries = [[self._stash(self._embed(outer, tokens[s])) for s in range(n)]]
+    # Forward, layer-major. `level` holds the current group's input for every sub-batch on the device; a copy of
+    # it is stashed (boundaries[g]) for the backward pass while the group computes.
+    level = [self._embed(outer, tokens[s]) for s in range(n)]
+    boundaries = []
     for _ in range(last):
       w = next(weight_stream)
-      boundaries.append([self._stash(self._forward(w, x)) for x in self._prefetch(boundaries[-1])])
+      boundaries.append([self._stash(x) for x in level])
+      level = [self._forward(w, x) for x in level]
 
-    # The last group: forward, head + loss and backward in one call per sub-batch.
+    # The last group: forward, head + loss and backward in one call per sub-batch; nothing to stash.
     new_groups, parked = list(groups), []
     w = next(weight_stream)
-    incoming = self._fetch_state(groups[last])
     grads, outer_grads = self._zeros(w), self._zeros(outer)
-    losses, cotangents = [], []
-    for s, x in enumerate(self._prefetch(boundaries.pop())):
+    losses, cotangents, incoming = [], [], None
+    for s, x in enumerate(level):
       loss, dx, grads, outer_grads = self._last_group(
           w, outer, x, targets[s], loss_weights[s], inv_total, grads, outer_grads)
       losses.append(loss)
-      cotangents.append(self._stash(dx))
+      cotangents.append(dx)
+      # The update's state is queued behind the first sub-batch's work, so it never delays a sub-batch's inputs.
+      incoming = incoming or self._fetch_state(groups[last])
+    del level
     self._finish_group(last, incoming, grads, new_groups, parked)
 
-    # Backward through the other groups in reverse, recomputing each group's forward inside its vjp.
+    # Backward through the other groups in reverse, recomputing each group's forward inside its vjp. The gradient
+    # flowing between groups stays on the device; only the stashed inputs come back.
     for g in range(last - 1, -1, -1):
       w = next(weight_stream)
-      incoming = self._fetch_state(groups[g])
-      grads, dxs = self._zeros(w), []
-      for x, dy in zip(self._prefetch(boundaries.pop()), self._prefetch(cotangents)):
+      grads, dxs, incoming = self._zeros(w), [], None
+      for x, dy in zip(self._prefetch(boundaries.pop()), cotangents):
         dx, grads = self._backward(w, x, dy, grads)
-        dxs.append(self._stash(dx))
+        dxs.append(dx)
+        incoming = incoming or self._fetch_state(groups[g])
       cotangents = dxs
       self._finish_group(g, incoming, grads, new_groups, parked)
 
-    for s, dh in enumerate(self._prefetch(cotangents)):
+    for s, dh in enumerate(cotangents):
       outer_grads = self._embed_backward(outer, tokens[s], dh, outer_grads)
 
     norm = jnp.zeros((), jnp.float32)

@@ -87,7 +87,7 @@ def check_against_reference(overrides, engine_cfg, optimizer_name, seed, dtype, 
   assert rel_error(got_params, want_params) <= tolerance
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(engine_cases())
 def test_engine_step_equals_full_batch_step_fp32(case):
   overrides, engine_cfg, optimizer_name, seed = case
@@ -134,7 +134,7 @@ def test_batch_not_divisible_by_sub_batches_is_refused():
 
 def test_bytes_moved_per_step_match_the_schedule():
   """Everything on the host: per step, each group's weights cross twice (the last group's once), its state once each
-  way, and activations 3 levels per group in (less one), 2 out (see Engine.step)."""
+  way, and each group's input but the last group's is stashed and fetched back once (see Engine.step)."""
   model, engine = tiny_engine(sub_batches=2, live_layers=1, grad_clip_norm=0.5)
   state = engine.init(jax.random.key(0))
   batch = make_batch(np.random.default_rng(0), 4, 8)
@@ -148,5 +148,5 @@ def test_bytes_moved_per_step_match_the_schedule():
   grads = bytes_of(state["groups"][0]["master"])  # clipping parks fp32 gradients on the host until the norm is known
   level = 4 * 8 * model.cfg.hidden_size * 2  # one bf16 hidden state for the whole batch
   tokens = 3 * 4 * 8 * 4  # inputs, targets, weights
-  assert moved["host_to_device"] == tokens + groups * (2 * weights + group_state + grads + 3 * level) - weights - level
-  assert moved["device_to_host"] == groups * (weights + group_state + grads + 2 * level)
+  assert moved["host_to_device"] == tokens + groups * (2 * weights + group_state + grads) - weights + (groups - 1) * level
+  assert moved["device_to_host"] == groups * (weights + group_state + grads) + (groups - 1) * level
