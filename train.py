@@ -16,8 +16,9 @@ from absl import app, flags, logging
 
 from models.presets import PRESETS, build, get_config
 from sljax import trainer
-from sljax.checkpoint import CheckpointMismatchError
+from sljax.checkpoint import CheckpointCorruptError, CheckpointMismatchError
 from sljax.data import DataConfig, make_source
+from sljax.mesh import check_batch, initialize_distributed, make_mesh
 from sljax.optim import OptimConfig
 from sljax.plan import GIB, Budget, default_budget, make_plan
 from sljax.schedule import EngineConfig
@@ -57,12 +58,25 @@ flags.DEFINE_integer("checkpoint_every", RUN.checkpoint_every, "Save a checkpoin
 flags.DEFINE_integer("keep_checkpoints", RUN.keep_checkpoints, "Newest checkpoints kept.")
 flags.DEFINE_integer("log_every", RUN.log_every, "Log throughput and refresh the progress bar every this many steps.")
 flags.DEFINE_bool("profile", RUN.profile, f"Trace {trainer.PROFILE_STEPS} steps into <workdir>/profile.")
+flags.DEFINE_integer("stop_after_bad_steps", RUN.stop_after_bad_steps,
+                     "Stop after this many steps in a row with a non-finite loss or gradient (each one is skipped).")
+flags.DEFINE_string("loss_log", RUN.loss_log, "Append each step's loss here as JSON lines (step, loss).")
 
 flags.DEFINE_enum("engine", "auto", ["auto", "device", "offload"],
                   "Training step: the plain all-on-device step, the SpeedLoader offload engine, or auto (device when "
                   "the training state fits on the device, else offload).")
 flags.DEFINE_integer("sub_batches", 0, "Offload engine: sub-batches per step (0: the plan chooses).")
 flags.DEFINE_integer("live_layers", 0, "Offload engine: layers per group fetched to the device at once (0: plan).")
+flags.DEFINE_string("mesh", "", "Devices as data:D,fsdp:F, D x F dividing the device count (default: fsdp over "
+                    "each host's devices, data parallel across hosts).")
+flags.DEFINE_string("coordinator_address", "", "Several hosts: process 0's host:port, the same on every host "
+                    "(default: $JAX_COORDINATOR_ADDRESS; under SLURM, srun's).")
+flags.DEFINE_integer("num_processes", 0, "Several hosts: processes in the run, one per host (default: "
+                     "$JAX_NUM_PROCESSES or SLURM's).")
+flags.DEFINE_integer("process_id", -1, "Several hosts: this process's index, 0 on the coordinator (default: "
+                     "$JAX_PROCESS_ID or SLURM's).")
+flags.DEFINE_integer("distributed_timeout_s", 300, "Several hosts: give up when the coordinator or a process has "
+                     "not joined after this many seconds.")
 flags.DEFINE_bool("plan", False, "Print the offload engine's plan (placement, bytes per tier, step-time bound), exit.")
 flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit).")
 flags.DEFINE_float("host_memory_gib", 0, "Pinned host memory the plan may use (0: 90% of RAM).")
@@ -94,11 +108,11 @@ def configs_from_flags() -> tuple:
   run_cfg = RunConfig(
       steps=FLAGS.steps, workdir=FLAGS.workdir or os.path.join("runs", FLAGS.model),
       checkpoint_every=FLAGS.checkpoint_every, keep_checkpoints=FLAGS.keep_checkpoints, log_every=FLAGS.log_every,
-      profile=FLAGS.profile)
+      profile=FLAGS.profile, stop_after_bad_steps=FLAGS.stop_after_bad_steps, loss_log=FLAGS.loss_log)
   return model_cfg, data_cfg, optim_cfg, run_cfg
 
 
-def choose_engine(model_cfg, data_cfg, optim_cfg) -> tuple:
+def choose_engine(model_cfg, data_cfg, optim_cfg, devices: int = 1) -> tuple:
   """(model config, EngineConfig or None for the all-on-device step); prints the plan when offloading."""
   device = jax.devices()[0]
   mode = FLAGS.engine
@@ -116,7 +130,8 @@ def choose_engine(model_cfg, data_cfg, optim_cfg) -> tuple:
   budget = default_budget(device)
   budget = Budget(int(FLAGS.device_memory_gib * GIB) or budget.device_bytes,
                   int(FLAGS.host_memory_gib * GIB) or budget.host_bytes)
-  plan = make_plan(build(model_cfg), data_cfg.seq_len, data_cfg.batch_size, budget, FLAGS.sub_batches,
+  # The plan sizes one device's work: its rows of the batch (the mesh splits every sub-batch over all devices).
+  plan = make_plan(build(model_cfg), data_cfg.seq_len, data_cfg.batch_size // devices, budget, FLAGS.sub_batches,
                    FLAGS.live_layers, jax.numpy.dtype(optim_cfg.moments_dtype).itemsize, optim_cfg.grad_clip_norm)
   print(f"plan for {FLAGS.model}, batch {data_cfg.batch_size} x {data_cfg.seq_len}:\n{plan.describe()}")
   return model_cfg, plan.engine
@@ -127,8 +142,13 @@ def run() -> dict[int, float]:
   # Everything that can be wrong with the request is checked here, before the workdir or any array exists.
   try:
     model_cfg, data_cfg, optim_cfg, run_cfg = configs_from_flags()
+    if not FLAGS.plan:
+      trainer.check_workdir(run_cfg.workdir)
     source = make_source(data_cfg, model_cfg.max_positions, model_cfg.vocab_size)
-    model_cfg, engine_cfg = choose_engine(model_cfg, data_cfg, optim_cfg)
+    mesh = make_mesh(FLAGS.mesh)
+    check_batch(data_cfg.batch_size, 1, mesh)
+    model_cfg, engine_cfg = choose_engine(model_cfg, data_cfg, optim_cfg, mesh.size)
+    check_batch(data_cfg.batch_size, engine_cfg.sub_batches if engine_cfg else 1, mesh)
   except ValueError as error:
     raise SystemExit(f"sljax: {error}") from None
   if FLAGS.plan:
@@ -138,9 +158,11 @@ def run() -> dict[int, float]:
   meta = {"model": FLAGS.model, "overrides": FLAGS.set, "model_config": dataclasses.asdict(model_cfg),
           "data": dataclasses.asdict(data_cfg), "optim": dataclasses.asdict(optim_cfg)}
   try:
-    return trainer.train(model_cfg, source, optim_cfg, run_cfg, meta, engine_cfg)
+    return trainer.train(model_cfg, source, optim_cfg, run_cfg, meta, engine_cfg, mesh if mesh.size > 1 else None)
   except CheckpointMismatchError as error:
     raise SystemExit(f"sljax: {error}; use another --workdir") from None
+  except (CheckpointCorruptError, trainer.Diverged) as error:
+    raise SystemExit(f"sljax: {error}") from None
 
 
 def main(argv):
@@ -148,6 +170,11 @@ def main(argv):
     raise SystemExit(f"sljax: unexpected arguments {' '.join(argv[1:])}")
   logging.get_absl_handler().addFilter(_OwnInfoOnly())
   set_pinned_pool()
+  try:  # before anything touches a device: every process of a multi-host run starts here
+    initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                           FLAGS.distributed_timeout_s)
+  except (TimeoutError, ValueError) as error:
+    raise SystemExit(f"sljax: {error}") from None
   run()
 
 

@@ -51,6 +51,8 @@ flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).")
 flags.DEFINE_string("fits_model", "llama7b", "Preset of the model that fits.")
 flags.DEFINE_multi_string("fits_set", ["num_layers=8"], "Overrides of the model that fits.")
+flags.DEFINE_string("trace_dir", "", "Write a jax.profiler (perfetto) trace of one step of --trace_case here.")
+flags.DEFINE_string("trace_case", "fits/streamed", "Case whose step is traced.")
 flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan may use (below XLA's pinned pool limit).")
 FLAGS = flags.FLAGS
 
@@ -107,6 +109,10 @@ def run_engine(name, model, optimizer, engine_cfg, batch, steps, key):
   before = dict(engine.place.moved)
   seconds, times, losses, state = timed(engine.step, state, batch, steps)
   moved = {k: (engine.place.moved[k] - before[k]) // (steps + 1) for k in before}  # every step moves the same
+  if FLAGS.trace_dir and name == FLAGS.trace_case:
+    with jax.profiler.trace(FLAGS.trace_dir, create_perfetto_trace=True):
+      state, loss = engine.step(state, batch)
+      jax.block_until_ready(loss)
   groups = len(engine.groups)
   rows, seq = batch["inputs"].shape
   return record(name, model.cfg, rows, seq, seconds, times, losses, (groups - 1) / groups,
@@ -148,10 +154,11 @@ def per_micro_batch_step(engine: Engine, micro_batches: int):
         dx, grads[g] = engine._backward(next(stream), xs[g], dx, grads[g])
       outer_grads = engine._embed_backward(outer, tokens, dx, outer_grads)
     zero = jnp.zeros((), jnp.float32)
-    new_groups = [engine._apply(g, place.to_device((group["master"], group["opt"])), grads[g], zero)
+    new_groups = [engine._apply(g, place.to_device((group["master"], group["opt"])), place.reduce(grads[g]), zero)
                   for g, group in enumerate(groups)]
+    outer_grads, loss = place.reduce((outer_grads, sum(losses)), sharded=False)  # per-device slots -> sums
     new_outer, new_opt = engine._update(outer, state["outer_opt"], outer_grads, zero)
-    return {"step": state["step"] + 1, "outer": new_outer, "outer_opt": new_opt, "groups": new_groups}, sum(losses)
+    return {"step": state["step"] + 1, "outer": new_outer, "outer_opt": new_opt, "groups": new_groups}, loss
   return step
 
 

@@ -1,4 +1,6 @@
-"""What every layer-major model shares: the three-piece interface, attention and the loss."""
+"""What every layer-major model shares: the three-piece interface, attention (plain and cached), the loss."""
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,34 @@ def attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cfg: ModelConfig, scale: float | 
     implementation = "cudnn" if jax.default_backend() == "gpu" and fast_dtype else "xla"
   return jax.nn.dot_product_attention(
       q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, is_causal=True, scale=scale, implementation=implementation)
+
+
+class KVCache(NamedTuple):
+  """One layer's keys and values for T cache slots, and where the S new tokens of a block's input go in it."""
+
+  k_BxTxKxH: jax.Array
+  v_BxTxKxH: jax.Array
+  offset: jax.Array  # slot of the first new token; new token s goes to slot offset + s
+  positions_BxS: jax.Array  # each new token's position within its own sequence (rows may be left-padded)
+  visible_Bx1xSxT: jax.Array  # which slots each new token attends to
+
+
+def cached_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cache: KVCache, scale: float | None = None):
+  """Writes the new keys and values into the cache at its offset, then attends over the visible slots.
+
+  Returns (attention output, the cache with its k and v updated). Always XLA's attention: the visibility mask is
+  arbitrary (left padding, unwritten slots), and decoding one token is bound by memory traffic, not by this.
+  """
+  k_BxTxKxH = lax.dynamic_update_slice_in_dim(cache.k_BxTxKxH, k_BxSxKxH.astype(cache.k_BxTxKxH.dtype), cache.offset, 1)
+  v_BxTxKxH = lax.dynamic_update_slice_in_dim(cache.v_BxTxKxH, v_BxSxKxH.astype(cache.v_BxTxKxH.dtype), cache.offset, 1)
+  att_BxSxNxH = jax.nn.dot_product_attention(
+      q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, mask=cache.visible_Bx1xSxT, scale=scale, implementation="xla")
+  return att_BxSxNxH, cache._replace(k_BxTxKxH=k_BxTxKxH, v_BxTxKxH=v_BxTxKxH)
+
+
+def cache_positions(offset, start_B: jax.Array, seq: int) -> jax.Array:
+  """Positions of the tokens in cache slots offset..offset+seq-1 of rows whose first token is in slot start_B."""
+  return jnp.maximum(offset + jnp.arange(seq)[None, :] - start_B[:, None], 0)
 
 
 class LayerMajorModel:
@@ -47,8 +77,9 @@ class LayerMajorModel:
     h_1x1xD = jnp.zeros((1, 1, self.cfg.hidden_size), self.cfg.dtype)
     return jax.vmap(lambda k: self.block(self.cfg).init(k, h_1x1xD)["params"])(keys)
 
-  def embed(self, outer, tokens_BxS: jax.Array) -> jax.Array:
-    return self.outer(self.cfg).apply({"params": outer}, tokens_BxS, method="embed")
+  def embed(self, outer, tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None) -> jax.Array:
+    """Token (and, for OPT, position) embeddings; positions default to 0..S-1 in every row."""
+    return self.outer(self.cfg).apply({"params": outer}, tokens_BxS, positions_BxS, method="embed")
 
   def layers(self, stacked, h_BxSxD: jax.Array) -> jax.Array:
     """Runs the layers whose params are stacked in `stacked` (any number of them), in order."""
@@ -61,6 +92,33 @@ class LayerMajorModel:
       one_layer = jax.checkpoint(one_layer, prevent_cse=False)
     h_BxSxD, _ = lax.scan(one_layer, h_BxSxD.astype(self.cfg.dtype), stacked)
     return h_BxSxD
+
+  def init_cache(self, num_layers: int, batch: int, max_len: int) -> tuple[jax.Array, jax.Array]:
+    """An empty KV cache for num_layers layers: (k, v), each [L, B, T, K, H] in the compute dtype."""
+    shape = (num_layers, batch, max_len, self.cfg.kv_heads, self.cfg.head_dim)
+    return jnp.zeros(shape, self.cfg.dtype), jnp.zeros(shape, self.cfg.dtype)
+
+  def layers_cached(self, stacked, h_BxSxD: jax.Array, cache: tuple, offset, start_B: jax.Array):
+    """`layers` for S new tokens that go into cache slots offset..offset+S-1, attending through the cache.
+
+    cache: (k, v), each [L, B, T, K, H] for the layers in `stacked`. Row b's sequence starts at slot start_B[b]
+    (prompts are left-padded), so its earlier slots are never attended to. Prefill is offset 0 with the whole prompt;
+    decoding is one token at offset P + t. Returns (h, cache with the new keys and values written).
+    """
+    seq, max_len = h_BxSxD.shape[1], cache[0].shape[2]
+    slot_S, slot_T = offset + jnp.arange(seq), jnp.arange(max_len)
+    visible_BxSxT = (slot_T[None, None, :] <= slot_S[None, :, None]) & (slot_T[None, None, :] >= start_B[:, None, None])
+    positions_BxS = cache_positions(offset, start_B, seq)
+    block = self.block(self.cfg)
+
+    def one_layer(h, layer):
+      layer_params, k_BxTxKxH, v_BxTxKxH = layer
+      h, cache = block.apply({"params": layer_params}, h,
+                             KVCache(k_BxTxKxH, v_BxTxKxH, offset, positions_BxS, visible_BxSxT[:, None]))
+      return h, (cache.k_BxTxKxH, cache.v_BxTxKxH)
+
+    h_BxSxD, cache = lax.scan(one_layer, h_BxSxD.astype(self.cfg.dtype), (stacked, *cache))
+    return h_BxSxD, cache
 
   def logits(self, outer, h_BxSxD: jax.Array) -> jax.Array:
     return self.outer(self.cfg).apply({"params": outer}, h_BxSxD, method="logits")

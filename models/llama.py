@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import LayerMajorModel, attention
+from models.common import KVCache, LayerMajorModel, attention, cached_attention
 from models.config import ModelConfig
 
 _init = nn.initializers.normal(0.02)
@@ -23,13 +23,16 @@ class RMSNorm(nn.Module):
     return weight.astype(self.dtype) * normed.astype(self.dtype)
 
 
-def rotary(x_BxSxNxH: jax.Array, theta: float) -> jax.Array:
-  """Rotates pairs (i, i + H/2) by position-dependent angles, as Hugging Face's rotate_half does."""
+def rotary(x_BxSxNxH: jax.Array, theta: float, positions_BxS: jax.Array | None = None) -> jax.Array:
+  """Rotates pairs (i, i + H/2) by position-dependent angles, as Hugging Face's rotate_half does; positions default
+  to 0..S-1 in every row."""
   seq, head_dim = x_BxSxNxH.shape[1], x_BxSxNxH.shape[3]
+  if positions_BxS is None:
+    positions_BxS = jnp.arange(seq)[None, :]
   inv_freq_F = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles_SxF = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq_F[None, :]
-  angles_SxH = jnp.concatenate([angles_SxF, angles_SxF], axis=-1)
-  cos, sin = jnp.cos(angles_SxH)[None, :, None, :], jnp.sin(angles_SxH)[None, :, None, :]
+  angles_BxSxF = positions_BxS.astype(jnp.float32)[:, :, None] * inv_freq_F
+  angles_BxSxH = jnp.concatenate([angles_BxSxF, angles_BxSxF], axis=-1)
+  cos, sin = jnp.cos(angles_BxSxH)[:, :, None, :], jnp.sin(angles_BxSxH)[:, :, None, :]
   x1, x2 = jnp.split(x_BxSxNxH.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return (x_BxSxNxH * cos + rotated * sin).astype(x_BxSxNxH.dtype)
@@ -39,7 +42,8 @@ class LlamaBlock(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxSxD):
+  def __call__(self, x_BxSxD, cache: KVCache | None = None):
+    """One layer over x; with a cache, x's tokens attend through it and (x, updated cache) is returned."""
     cfg = self.cfg
     dense = lambda features, name: nn.Dense(
         features, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=_init, name=name)
@@ -47,17 +51,23 @@ class LlamaBlock(nn.Module):
     batch, seq, _ = x_BxSxD.shape
     n, k, h = cfg.num_heads, cfg.kv_heads, cfg.head_dim
 
+    positions_BxS = None if cache is None else cache.positions_BxS
+
     y_BxSxD = norm("input_layernorm")(x_BxSxD)
-    q_BxSxNxH = rotary(dense(n * h, "q_proj")(y_BxSxD).reshape(batch, seq, n, h), cfg.rope_theta)
-    k_BxSxKxH = rotary(dense(k * h, "k_proj")(y_BxSxD).reshape(batch, seq, k, h), cfg.rope_theta)
+    q_BxSxNxH = rotary(dense(n * h, "q_proj")(y_BxSxD).reshape(batch, seq, n, h), cfg.rope_theta, positions_BxS)
+    k_BxSxKxH = rotary(dense(k * h, "k_proj")(y_BxSxD).reshape(batch, seq, k, h), cfg.rope_theta, positions_BxS)
     v_BxSxKxH = dense(k * h, "v_proj")(y_BxSxD).reshape(batch, seq, k, h)
-    att_BxSxNxH = attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cfg)
+    if cache is None:
+      att_BxSxNxH = attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cfg)
+    else:
+      att_BxSxNxH, cache = cached_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cache)
     x_BxSxD = x_BxSxD + dense(cfg.hidden_size, "o_proj")(att_BxSxNxH.reshape(batch, seq, n * h))
 
     y_BxSxD = norm("post_attention_layernorm")(x_BxSxD)
     gate_BxSxF = nn.silu(dense(cfg.intermediate_size, "gate_proj")(y_BxSxD))
     up_BxSxF = dense(cfg.intermediate_size, "up_proj")(y_BxSxD)
-    return x_BxSxD + dense(cfg.hidden_size, "down_proj")(gate_BxSxF * up_BxSxF)
+    x_BxSxD = x_BxSxD + dense(cfg.hidden_size, "down_proj")(gate_BxSxF * up_BxSxF)
+    return x_BxSxD if cache is None else (x_BxSxD, cache)
 
 
 class LlamaOuter(nn.Module):
@@ -71,7 +81,8 @@ class LlamaOuter(nn.Module):
     self.lm_head = nn.Dense(
         cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=_init)
 
-  def embed(self, tokens_BxS):
+  def embed(self, tokens_BxS, positions_BxS=None):
+    del positions_BxS  # LLaMA's positions enter through the rotary embeddings inside each block
     return self.embed_tokens(tokens_BxS)
 
   def logits(self, h_BxSxD):

@@ -3,7 +3,7 @@
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.common import LayerMajorModel, attention
+from models.common import KVCache, LayerMajorModel, attention, cached_attention
 from models.config import ModelConfig
 
 _init = nn.initializers.normal(0.02)
@@ -14,7 +14,8 @@ class OPTBlock(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxSxD):
+  def __call__(self, x_BxSxD, cache: KVCache | None = None):
+    """One layer over x; with a cache, x's tokens attend through it and (x, updated cache) is returned."""
     cfg = self.cfg
     dense = lambda features, name: nn.Dense(
         features, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=_init, name=name)
@@ -27,14 +28,18 @@ class OPTBlock(nn.Module):
     q_BxSxNxH = dense(n * h, "q_proj")(y_BxSxD).reshape(batch, seq, n, h)
     k_BxSxNxH = dense(n * h, "k_proj")(y_BxSxD).reshape(batch, seq, n, h)
     v_BxSxNxH = dense(n * h, "v_proj")(y_BxSxD).reshape(batch, seq, n, h)
-    att_BxSxNxH = attention(q_BxSxNxH, k_BxSxNxH, v_BxSxNxH, cfg)
+    if cache is None:
+      att_BxSxNxH = attention(q_BxSxNxH, k_BxSxNxH, v_BxSxNxH, cfg)
+    else:
+      att_BxSxNxH, cache = cached_attention(q_BxSxNxH, k_BxSxNxH, v_BxSxNxH, cache)
     x_BxSxD = x_BxSxD + dense(cfg.hidden_size, "out_proj")(att_BxSxNxH.reshape(batch, seq, n * h))
     x_BxSxD = norm("self_attn_layer_norm")(x_BxSxD) if post else x_BxSxD
 
     y_BxSxD = norm("final_layer_norm")(x_BxSxD) if pre else x_BxSxD
     y_BxSxF = nn.relu(dense(cfg.intermediate_size, "fc1")(y_BxSxD))
     x_BxSxD = x_BxSxD + dense(cfg.hidden_size, "fc2")(y_BxSxF)
-    return norm("final_layer_norm")(x_BxSxD) if post else x_BxSxD
+    x_BxSxD = norm("final_layer_norm")(x_BxSxD) if post else x_BxSxD
+    return x_BxSxD if cache is None else (x_BxSxD, cache)
 
 
 class OPTOuter(nn.Module):
@@ -54,11 +59,13 @@ class OPTOuter(nn.Module):
     if cfg.layer_norm_before:
       self.final_layer_norm = nn.LayerNorm(cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
 
-  def embed(self, tokens_BxS):
+  def embed(self, tokens_BxS, positions_BxS=None):
+    """positions default to 0..S-1 in every row."""
     x_BxSxE = self.embed_tokens(tokens_BxS)
     x_BxSxD = self.project_in(x_BxSxE) if self.cfg.embed_dim != self.cfg.hidden_size else x_BxSxE
-    positions_S = jnp.arange(tokens_BxS.shape[1]) + POSITION_OFFSET
-    return x_BxSxD + self.embed_positions(positions_S)[None]
+    if positions_BxS is None:
+      positions_BxS = jnp.arange(tokens_BxS.shape[1])[None, :]
+    return x_BxSxD + self.embed_positions(positions_BxS + POSITION_OFFSET)
 
   def logits(self, h_BxSxD):
     if self.cfg.layer_norm_before:

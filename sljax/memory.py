@@ -1,11 +1,24 @@
-"""Where tensors live: device memory or pinned host memory, addressed through one mesh."""
+"""Where tensors live: device memory or pinned host memory of the devices of one mesh, and what moves between them.
+
+Every transfer and every collective of the engine goes through a `Placement`, which counts the bytes in `moved`,
+summed over all devices:
+  host_to_device / device_to_host   PCIe (each device's shard: a layout replicated over the data axis moves once per
+                                    replica)
+  between_devices                   bytes sent by collectives, as a bandwidth-optimal ring sends them (what NCCL does):
+                                    n devices all-gathering or reduce-scattering N bytes each send (n-1)/n N,
+                                    all-reducing them 2 (n-1)/n N
+"""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from sljax.mesh import AXES, REPLICATED, make_mesh, state_spec
 
 DEVICE = "device"
 HOST = "pinned_host"  # page-locked: host<->device copies run at full PCIe speed and asynchronously
@@ -13,34 +26,150 @@ HOST = "pinned_host"  # page-locked: host<->device copies run at full PCIe speed
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """Shardings over `mesh` in either memory kind. Every transfer in the engine goes through here, and is counted
-  in `moved` (bytes over all devices, by direction)."""
+  """Shardings over `mesh` (axes "data", "fsdp") in either memory kind, transfers, and the two collectives."""
 
   mesh: Mesh
-  moved: dict = dataclasses.field(default_factory=lambda: {"host_to_device": 0, "device_to_host": 0}, compare=False)
+  moved: dict = dataclasses.field(compare=False, default_factory=lambda: {
+      "host_to_device": 0, "device_to_host": 0, "between_devices": 0})
 
   @classmethod
   def single(cls, device: jax.Device | None = None) -> "Placement":
-    return cls(Mesh(np.array([device or jax.devices()[0]]), ("data",)))
+    return cls(make_mesh({"data": 1, "fsdp": 1}, [device or jax.devices()[0]]))
 
-  def device(self, spec: P = P()) -> NamedSharding:
+  @property
+  def fsdp(self) -> int:
+    return self.mesh.shape["fsdp"]
+
+  @property
+  def data(self) -> int:
+    return self.mesh.shape["data"]
+
+  def state_spec(self, shape: tuple[int, ...]) -> P:
+    """Layout of a layer group's weights, master weights, optimizer state and (reduced) gradients."""
+    return state_spec(shape, self.fsdp)
+
+  def device(self, spec: P = REPLICATED) -> NamedSharding:
     return NamedSharding(self.mesh, spec, memory_kind=DEVICE)
 
-  def host(self, spec: P = P()) -> NamedSharding:
+  def host(self, spec: P = REPLICATED) -> NamedSharding:
     return NamedSharding(self.mesh, spec, memory_kind=HOST)
 
-  def to_device(self, tree, spec: P = P()):
-    """Asynchronous: returns at once, the copy runs while the caller dispatches more work."""
-    self._count(tree, lambda kind: kind != DEVICE, "host_to_device")  # numpy arrays count as host
-    return jax.device_put(tree, self.device(spec))
+  def shardings(self, tree, kind: str = DEVICE, spec=REPLICATED):
+    """A sharding per leaf of `tree` (arrays or shapes); `spec` is a PartitionSpec or a function of a leaf's shape."""
+    return jax.tree.map(lambda x: NamedSharding(self.mesh, _spec_of(spec, x), memory_kind=kind), tree)
 
-  def to_host(self, tree, spec: P = P()):
-    self._count(tree, lambda kind: kind == DEVICE, "device_to_host")
-    return jax.device_put(tree, self.host(spec))
+  # ---- PCIe ----------------------------------------------------------------------------------------------------
 
-  def _count(self, tree, moves, direction: str):
-    self.moved[direction] += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
-                                 if moves(getattr(getattr(x, "sharding", None), "memory_kind", None)))
+  def to_device(self, tree, spec=None):
+    """Asynchronous: returns at once, the copy runs while the caller dispatches more work.
+
+    `spec` (a PartitionSpec or a function of a leaf's shape) lays the leaves out anew; None keeps each array's
+    layout (numpy arrays: replicated).
+    """
+    return self._put(tree, spec, DEVICE, "host_to_device")
+
+  def to_host(self, tree, spec=None):
+    return self._put(tree, spec, HOST, "device_to_host")
+
+  def _put(self, tree, spec, kind: str, direction: str):
+    leaves, treedef = jax.tree.flatten(tree)
+    shardings = [self._target(x, spec, kind) for x in leaves]
+    self.moved[direction] += sum(_bytes_on_devices(x, sharding) for x, sharding in zip(leaves, shardings)
+                                 if _memory_kind(x) != kind and not isinstance(x, jax.core.Tracer))
+    on_device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    placed = dict(zip(on_device, jax.device_put([leaves[i] for i in on_device], [shardings[i] for i in on_device])))
+    for i, x in enumerate(leaves):  # host data: each process places its own devices' parts (works on several hosts)
+      if i not in placed:
+        value = np.asarray(x)
+        placed[i] = jax.make_array_from_callback(value.shape, shardings[i], lambda index, v=value: v[index])
+    return treedef.unflatten([placed[i] for i in range(len(leaves))])
+
+  def _target(self, x, spec, kind: str) -> NamedSharding:
+    sharding = getattr(x, "sharding", None)
+    if spec is None and isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
+      return sharding.with_memory_kind(kind)
+    return NamedSharding(self.mesh, _spec_of(REPLICATED if spec is None else spec, x), memory_kind=kind)
+
+  # ---- between devices -----------------------------------------------------------------------------------------
+
+  def gather(self, tree, dtype=None):
+    """The whole of `tree` on every device, from the fsdp shards on the devices (cast to `dtype` first): one
+    all-gather over the fsdp axis. Each device sends (fsdp-1)/fsdp of the tree's bytes (in `dtype`)."""
+    dtype = None if dtype is None else np.dtype(dtype)
+    if self.fsdp == 1 and all(dtype in (None, x.dtype) for x in jax.tree.leaves(tree)):
+      return tree  # already whole on every device
+    itemsize = lambda x: (dtype or x.dtype).itemsize
+    per_device = sum((self.fsdp - 1) * (x.size // self.fsdp) * itemsize(x) for x in jax.tree.leaves(tree)
+                     if "fsdp" in self.state_spec(x.shape))
+    self.moved["between_devices"] += self.mesh.size * per_device
+    return _all_gather(tree, mesh=self.mesh, dtype=dtype)
+
+  def reduce(self, per_device, sharded: bool = True):
+    """Sums per-device accumulators (each leaf has a leading axis with one slot per device, see `PER_DEVICE`) over
+    the mesh. sharded: each leaf ends in its fsdp layout (`state_spec`): a reduce-scatter over fsdp, then an
+    all-reduce of the shard over data; each device sends (f-1)/f N + 2 (d-1)/d N/f of a leaf's N bytes. Otherwise (or
+    for a leaf fsdp does not divide) the sum is replicated: an all-reduce over all n devices, 2 (n-1)/n N each."""
+    d, f, n = self.data, self.fsdp, self.mesh.size
+    total = 0
+    for x in jax.tree.leaves(per_device):
+      size = (x.size // n) * x.dtype.itemsize  # N: one device's slot
+      if sharded and "fsdp" in self.state_spec(x.shape[1:]):
+        total += n * ((f - 1) * size // f) + 2 * (d - 1) * size  # n x [(f-1)/f N + 2 (d-1)/d N/f]
+      else:
+        total += 2 * (n - 1) * size
+    self.moved["between_devices"] += total
+    # Consumes the accumulators. A sum as large per device as they are (nothing scattered) reuses their memory.
+    in_place = not sharded or self.fsdp == 1
+    return (_reduce_in_place if in_place else _reduce)(per_device, mesh=self.mesh, sharded=sharded)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "dtype"))
+def _all_gather(tree, *, mesh: Mesh, dtype):
+  fsdp = mesh.shape["fsdp"]
+  specs = jax.tree.map(lambda x: state_spec(x.shape, fsdp), tree)
+
+  def whole(x, spec):
+    x = x.astype(dtype or x.dtype)
+    return lax.all_gather(x, "fsdp", axis=spec.index("fsdp"), tiled=True) if "fsdp" in spec else x
+
+  def body(tree):
+    return jax.tree.map(whole, tree, specs)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=REPLICATED, check_vma=False)(tree)
+
+
+def _reduce_fn(per_device, *, mesh: Mesh, sharded: bool):
+  fsdp = mesh.shape["fsdp"]
+  specs = jax.tree.map(lambda x: state_spec(x.shape[1:], fsdp) if sharded else REPLICATED, per_device)
+
+  def total(slot, spec):
+    x = slot[0]  # this device's accumulator
+    if "fsdp" not in spec:
+      return lax.psum(x, AXES)
+    x = lax.psum_scatter(x, "fsdp", scatter_dimension=spec.index("fsdp"), tiled=True)
+    return lax.psum(x, "data")
+
+  def body(per_device):
+    return jax.tree.map(total, per_device, specs)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(AXES),), out_specs=specs, check_vma=False)(per_device)
+
+
+_reduce = jax.jit(_reduce_fn, static_argnames=("mesh", "sharded"))
+_reduce_in_place = jax.jit(_reduce_fn, static_argnames=("mesh", "sharded"), donate_argnums=0)
+
+
+def _spec_of(spec, x) -> P:
+  return spec(x.shape) if callable(spec) else spec
+
+
+def _memory_kind(x) -> str:
+  return getattr(getattr(x, "sharding", None), "memory_kind", None) or HOST  # numpy arrays count as host
+
+
+def _bytes_on_devices(x, sharding: NamedSharding) -> int:
+  """Bytes of x's shards over all devices of the sharding (replicas counted once each)."""
+  return int(np.prod(sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize * sharding.mesh.size
 
 
 def tree_bytes(tree) -> int:

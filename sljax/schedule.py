@@ -12,8 +12,26 @@ One step, top to bottom (see `Engine.step`):
 
 The loop is plain Python that dispatches jitted calls asynchronously; every transfer is issued ahead of its use
 (`_prefetch`), so copies run while the previous item computes. Nothing in it waits for the device.
+
+Over a mesh (sljax.mesh: axes data x fsdp, d x f = n devices) every sub-batch is split over all n devices, and each
+group's weights, master weights and optimizer state are split over fsdp (each device's pinned host memory holds its
+shard). Per group and step: the fetch of W_g's shards is followed by ONE all-gather (both part of the prefetch, so
+they overlap the previous group); the group's sub-batch calls run on each device's own rows with no collective,
+accumulating the gradient in a per-device slot; after the last sub-batch ONE reduce-scatter over fsdp (+ all-reduce
+of the shard over data) leaves each device its gradient shard, and the optimizer updates the shards. Bytes each
+device sends per step, with ring collectives (W_g: group g's weights in the compute dtype; P_g: its params in fp32;
+O: embeddings + head in fp32):
+
+  weight all-gathers   (f-1)/f (2 sum_g W_g - W_last)      forward and backward, the last group's once
+  gradients            sum_g ((f-1)/f + 2 (d-1)/(d f)) P_g  reduce-scatter over fsdp, all-reduce over data
+  embeddings + head    2 (n-1)/n (O + 4 bytes)               all-reduce of their gradient and the loss, once
+
+A leaf that no dimension divisible by f has stays whole (no gather; a full all-reduce of its gradient); clipping
+adds a 4-byte all-reduce of each group's norm. Placement.moved["between_devices"] counts these, summed over the
+devices. PCIe traffic per device is the single-device schedule's, for its shards and its rows.
 """
 
+import collections
 import dataclasses
 from typing import Callable, Iterator, Sequence
 
@@ -22,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sljax.memory import HOST, Placement
+from sljax.memory import DEVICE, HOST, Placement
+from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,16 +53,12 @@ class EngineConfig:
   device_state_groups: int = 0  # groups (counted from the last) whose master weights + optimizer state stay on device
 
 
+# Replaced host buffers are freed this many retirements (about two layer groups) after their last copy was issued.
+RETIRE_LAG = 4
+
+
 def _add(acc, grads):
   return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
-
-
-def _release(tree):
-  """Frees the pinned host buffers of state a step has replaced, as soon as their copies are issued (the step
-  consumes its input state, as donation does on the device). Without this, host state would be held twice."""
-  for x in jax.tree.leaves(tree):
-    if x.sharding.memory_kind == HOST:
-      x.delete()
 
 
 def _clip(grads, norm, max_norm):
@@ -65,25 +80,40 @@ class Engine:
       raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
     self.model, self.optimizer, self.cfg = model, optimizer, cfg
     self.place = placement or Placement.single()
+    self._retired = collections.deque()  # lists of replaced host buffers, oldest first (see _retire)
     self.groups = [(a, min(a + cfg.live_layers, num_layers)) for a in range(0, num_layers, cfg.live_layers)]
     self.state_on_device = [g >= len(self.groups) - cfg.device_state_groups for g in range(len(self.groups))]
     self.compute_dtype = jnp.dtype(model.cfg.dtype)
     self.separate_weights = jnp.dtype(model.cfg.param_dtype) != self.compute_dtype
 
-    self._embed = jax.jit(model.embed)
-    self._forward = jax.jit(model.layers)  # its input is still being stashed: not donated
-    self._last_group = jax.jit(self._last_group_fn, donate_argnums=(2, 6, 7))
-    self._backward = jax.jit(self._backward_fn, donate_argnums=(1, 3))
-    self._embed_backward = jax.jit(self._embed_backward_fn, donate_argnums=(3,))
-    self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))
-    # Gradient accumulators: fp32 whatever the compute dtype; placed like the step's outputs so nothing recompiles.
-    self._zeros = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree),
-                          out_shardings=self.place.device())
+    # Per-sub-batch calls see the whole weights and this device's rows; outputs are rows or per-device slots.
+    local, whole, rows = self._local, REPLICATED, PER_DEVICE
+    self._embed = local(lambda outer, tokens: model.embed(outer, tokens), (whole, rows), rows)
+    self._forward = local(model.layers, (whole, rows), rows)  # its input is still being stashed: not donated
+    self._last_group = local(self._last_group_fn, (whole, whole, rows, rows, rows, whole, rows, rows), rows,
+                             donate=(2, 6, 7))
+    self._backward = local(self._backward_fn, (whole, rows, rows, rows), rows, donate=(1, 3))
+    self._embed_backward = local(self._embed_backward_fn, (whole, rows, rows, rows), rows, donate=(3,))
+    self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))  # elementwise: runs on the shards
+    # Gradient accumulators: fp32 whatever the compute dtype, a slot per device (leading axis) so that no sub-batch
+    # call communicates; placed like the step's outputs so nothing recompiles.
+    devices = self.place.mesh.size
+    self._zeros = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.zeros((devices, *x.shape), jnp.float32), tree),
+                          out_shardings=self.place.device(PER_DEVICE))
     self._sq_norm = jax.jit(lambda tree: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
-    self._init_layers = jax.jit(model.init_layers)
-    self._init_outer = jax.jit(model.init_outer)
     self._cast = jax.jit(self._cast_fn)
-    self._init_opt = jax.jit(optimizer.init)
+    # State is created in its final layout: no process ever holds more than its own devices' parts.
+    layer_shapes = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))
+    sharded = lambda tree: self.place.shardings(tree, DEVICE, self.place.state_spec)
+    self._init_layers = jax.jit(model.init_layers, out_shardings=sharded(layer_shapes))
+    self._init_opt = jax.jit(optimizer.init, out_shardings=sharded(jax.eval_shape(optimizer.init, layer_shapes)))
+    self._init_outer = jax.jit(model.init_outer, out_shardings=self.place.device())
+    self._init_outer_opt = jax.jit(optimizer.init, out_shardings=self.place.device())
+
+  def _local(self, fn, in_specs, out_specs, donate=()):
+    """fn jitted to run on each device's own rows (shard_map); nothing inside communicates."""
+    mapped = jax.shard_map(fn, mesh=self.place.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.jit(mapped, donate_argnums=donate)
 
   # ---- jitted pieces -------------------------------------------------------------------------------------------
 
@@ -93,7 +123,7 @@ class Engine:
       return self.model.head_loss(outer, h, targets, loss_weights) * inv_total
 
     loss, (d_weights, d_outer, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(weights, outer, x)
-    return loss, dx, _add(grads, d_weights), _add(outer_grads, d_outer)
+    return loss[None], dx, _add(grads, d_weights), _add(outer_grads, d_outer)  # loss: this device's rows' part
 
   def _backward_fn(self, weights, x, dy, grads):
     _, vjp = jax.vjp(self.model.layers, weights, x)
@@ -116,8 +146,9 @@ class Engine:
   # ---- state ---------------------------------------------------------------------------------------------------
 
   def _home(self, g: int, tree):
-    """Puts group g's master weights or optimizer state where the config keeps them."""
-    return self.place.to_device(tree) if self.state_on_device[g] else self.place.to_host(tree)
+    """Puts group g's master weights or optimizer state where the config keeps them, split over fsdp."""
+    put = self.place.to_device if self.state_on_device[g] else self.place.to_host
+    return put(tree, self.place.state_spec)
 
   def _make_group(self, g: int, master, opt_state=None) -> dict:
     """A group's state: fp32 master + optimizer state, and (host groups, low-precision compute) the compute-dtype
@@ -125,14 +156,14 @@ class Engine:
     opt_state = self._init_opt(master) if opt_state is None else opt_state
     group = {"master": self._home(g, master), "opt": self._home(g, opt_state)}
     if self.separate_weights and not self.state_on_device[g]:
-      group["weights"] = self.place.to_host(self._cast(master))
+      group["weights"] = self.place.to_host(self._cast(master), self.place.state_spec)
     return group
 
   def _fetch_weights(self, group: dict):
-    if "weights" in group:
-      return self.place.to_device(group["weights"])
-    master = self.place.to_device(group["master"])
-    return self._cast(master) if self.separate_weights else master
+    """Group weights, whole on every device: this device's shard crosses PCIe, then one all-gather over fsdp (of the
+    compute-dtype cast, for a group that keeps no separate compute copy)."""
+    shards = self.place.to_device(group.get("weights", group["master"]))
+    return self.place.gather(shards, self.compute_dtype)
 
   def init(self, key: jax.Array) -> dict:
     """Random init, one group at a time on the device, so the whole model never has to fit there.
@@ -146,28 +177,32 @@ class Engine:
     return self._state(outer, groups)
 
   def from_params(self, params: dict) -> dict:
-    """Lays out full-model params ({"outer", "layers"}, on any device or numpy) as engine state."""
-    copy = lambda tree: self.place.to_device(jax.tree.map(jnp.copy, tree))  # steps consume state: not the caller's
-    groups = [self._make_group(g, copy(jax.tree.map(lambda x: x[a:b], params["layers"])))
+    """Lays out full-model params ({"outer", "layers"}, on any device or numpy; the same on every process) as
+    engine state."""
+    copy = lambda tree, spec: self.place.to_device(jax.tree.map(np.array, tree), spec)  # not the caller's arrays
+    groups = [self._make_group(g, copy(jax.tree.map(lambda x: x[a:b], params["layers"]), self.place.state_spec))
               for g, (a, b) in enumerate(self.groups)]
-    return self._state(copy(params["outer"]), groups)
+    return self._state(copy(params["outer"], REPLICATED), groups)
 
   def abstract_state(self, key: jax.Array) -> dict:
-    """Shapes, dtypes and shardings (memory kinds included) of `init(key)`, allocating nothing."""
+    """Shapes, dtypes and shardings (memory kinds and mesh layout included) of `init(key)`, allocating nothing: a
+    checkpoint written under any mesh restores into this engine's mesh."""
     shapes = jax.eval_shape(self.init, key)
-    placed = lambda tree, sharding: jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
-    groups = [{name: placed(tree, self.place.device() if self.state_on_device[g] and name != "weights"
-                             else self.place.host()) for name, tree in group.items()}
+    placed = lambda tree, kind, spec: jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+        tree, self.place.shardings(tree, kind, spec))
+    groups = [{name: placed(tree, DEVICE if self.state_on_device[g] and name != "weights" else HOST,
+                            self.place.state_spec) for name, tree in group.items()}
               for g, group in enumerate(shapes["groups"])]
-    return dict(placed(shapes, self.place.device()), groups=groups)
+    return dict(placed(shapes, DEVICE, REPLICATED), groups=groups)
 
   def _state(self, outer, groups) -> dict:
-    return {"step": jnp.zeros((), jnp.int32), "outer": outer, "outer_opt": self._init_opt(outer), "groups": groups}
+    return {"step": self.place.to_device(np.zeros((), np.int32)), "outer": outer,
+            "outer_opt": self._init_outer_opt(outer), "groups": groups}
 
   def params(self, state: dict) -> dict:
-    """Full-model params on the default device (for tests and export; needs the whole model to fit there)."""
-    layers = [self.place.to_device(group["master"]) for group in state["groups"]]
+    """Full-model params, whole on every device (for tests and export; needs the whole model to fit there)."""
+    layers = [self.place.gather(self.place.to_device(group["master"])) for group in state["groups"]]
     return {"outer": state["outer"], "layers": jax.tree.map(lambda *xs: jnp.concatenate(xs), *layers)}
 
   # ---- transfers -----------------------------------------------------------------------------------------------
@@ -192,10 +227,9 @@ class Engine:
   def step(self, state: dict, batch: dict) -> tuple[dict, jax.Array]:
     """One optimizer step on `batch` ({"inputs", "targets", "weights"}: [B, S] numpy arrays, B = N x b)."""
     n = self.cfg.sub_batches
-    if batch["inputs"].shape[0] % n:
-      raise ValueError(f"batch of {batch['inputs'].shape[0]} rows is not divisible by {n} sub-batches")
-    tokens, targets, loss_weights = (
-        [self.place.to_device(part) for part in np.split(np.asarray(batch[key]), n)]
+    check_batch(batch["inputs"].shape[0], n, self.place.mesh)
+    tokens, targets, loss_weights = (  # each sub-batch's rows split over every device
+        [self.place.to_device(part, PER_DEVICE) for part in np.split(np.asarray(batch[key]), n)]
         for key in ("inputs", "targets", "weights"))
     inv_total = np.float32(1.0 / max(float(np.sum(batch["weights"])), 1.0))  # loss = mean over the whole batch
 
@@ -227,7 +261,7 @@ class Engine:
       # The update's state is queued behind the first sub-batch's work, so it never delays a sub-batch's inputs.
       incoming = incoming or self._fetch_state(groups[last])
     del level
-    self._finish_group(last, incoming, grads, new_groups, parked)
+    self._finish_group(last, incoming, self.place.reduce(grads), new_groups, parked)  # the group's one reduce
 
     # Backward through the other groups in reverse, recomputing each group's forward inside its vjp. The gradient
     # flowing between groups stays on the device; only the stashed inputs come back.
@@ -239,10 +273,11 @@ class Engine:
         dxs.append(dx)
         incoming = incoming or self._fetch_state(groups[g])
       cotangents = dxs
-      self._finish_group(g, incoming, grads, new_groups, parked)
+      self._finish_group(g, incoming, self.place.reduce(grads), new_groups, parked)  # the group's one reduce
 
     for s, dh in enumerate(cotangents):
       outer_grads = self._embed_backward(outer, tokens[s], dh, outer_grads)
+    outer_grads, loss = self.place.reduce((outer_grads, sum(losses)), sharded=False)  # one all-reduce for both
 
     norm = jnp.zeros((), jnp.float32)
     if parked:  # clipping: every gradient is known only now, so the parked updates run here
@@ -251,7 +286,7 @@ class Engine:
         new_groups[g] = self._apply(g, self._take(incoming), self._take(grads), norm)
     new_outer, new_outer_opt = self._update(outer, state["outer_opt"], outer_grads, norm)
     new_state = {"step": state["step"] + 1, "outer": new_outer, "outer_opt": new_outer_opt, "groups": new_groups}
-    return new_state, sum(losses)
+    return new_state, loss
 
   def _fetch_state(self, group: dict):
     """Starts bringing a group's master weights and optimizer state to the device, ahead of its update."""
@@ -259,16 +294,26 @@ class Engine:
     return state if self.cfg.grad_clip_norm > 0 else self._take(state)  # clipping fetches them later
 
   def _take(self, tree):
-    """Moves host-resident state to the device and frees its host buffers (device state moves nowhere)."""
+    """Moves host-resident state to the device and retires its host buffers (device state moves nowhere)."""
     moved = self.place.to_device(tree)
-    _release(tree)
+    self._retire(tree)
     return moved
+
+  def _retire(self, tree):
+    """Frees replaced pinned host buffers RETIRE_LAG retirements after their last copy was issued. A step consumes
+    its input state (as donation does on the device), so host state is never held twice; the lag matters because
+    freeing a buffer whose copy is still in flight blocks the dispatching thread until the copy ends, which stalls
+    the GPU (seen in an H200 trace as an idle gap per group)."""
+    self._retired.append([x for x in jax.tree.leaves(tree) if x.sharding.memory_kind == HOST])
+    while len(self._retired) > RETIRE_LAG:
+      for x in self._retired.popleft():
+        x.delete()
 
   def _finish_group(self, g: int, incoming, grads, new_groups: list, parked: list):
     """Updates group g now that its gradient is complete, or (clipping) parks it until the global norm is known."""
-    _release(new_groups[g].get("weights"))  # the old compute copy: its last fetch (for backward) is issued
+    self._retire(new_groups[g].get("weights"))  # the old compute copy: its last fetch (for backward) is issued
     if self.cfg.grad_clip_norm > 0:
-      stashed = grads if self.state_on_device[g] else self.place.to_host(grads)
+      stashed = grads if self.state_on_device[g] else self.place.to_host(grads)  # keeps the shards' layout
       parked.append((g, incoming, stashed, self._sq_norm(grads)))
     else:
       new_groups[g] = self._apply(g, incoming, grads, jnp.zeros((), jnp.float32))

@@ -58,6 +58,10 @@ BAD_REQUESTS = {
     "batch_size must be positive": ["--batch_size=0"],
     "seq_len 4096 exceeds the model's max_positions 512": ["--seq_len=4096"],
     "GiB of device memory is needed": ["--model=llama70b"],  # too big even for the offload engine here
+    "batch_size 6 is not divisible by 4 sub-batches": ["--engine=offload", "--batch_size=6", "--sub_batches=4"],
+    "tokenizer file '/nonexistent/tokenizer.model' does not exist": ["--tokenizer=/nonexistent/tokenizer.model"],
+    "TFDS dataset 'no_such_corpus' is not prepared": ["--data=no_such_corpus"],
+    "workdir /dev/null/run cannot be created: /dev/null is not a directory": ["--workdir=/dev/null/run"],
 }
 
 

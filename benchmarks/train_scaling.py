@@ -1,0 +1,159 @@
+"""Weak scaling of the SpeedLoader engine over GPUs: llama13b on one GPU, then data parallel and FSDP over --gpus.
+
+  python benchmarks/train_scaling.py --out=benchmarks/results/train_scaling_h200x2.json   # kind nvidia-h200-x2
+  python benchmarks/train_scaling.py --smoke   # tiny model on 8 fake CPU devices: checks the code paths
+
+Every case keeps the per-GPU work of the one-GPU case (same rows per GPU, same plan: sub-batches, live layers,
+activation placement), so tokens/s per GPU over the one-GPU case's is the weak-scaling efficiency (goal >= 0.9):
+  one_gpu         mesh 1 x 1
+  data_parallel   mesh data:G    state replicated: every GPU's host holds a full copy; gradient all-reduce per group
+  fsdp            mesh fsdp:G    state split over the GPUs: each group costs 1/G of the device memory, so G times as
+                                 many groups keep their state on the device (--fsdp_device_state_groups)
+Recorded per case: tokens/s (total, per GPU), MFU per GPU, step times, losses, bytes per step between GPUs (ring
+collectives, sljax.memory) and over PCIe (total and per GPU), peak device memory per GPU.
+"""
+
+import os
+import sys
+
+if "--smoke" in sys.argv:  # before jax starts: 8 CPU devices stand in for GPUs
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.97")
+# Data parallel keeps a full copy of the host-resident state per GPU: the pinned pool must hold G of them.
+os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "200")
+
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models.presets import build, get_config  # noqa: E402
+from sljax import metrics  # noqa: E402
+from sljax import plan as planner  # noqa: E402
+from sljax.memory import Placement  # noqa: E402
+from sljax.mesh import make_mesh  # noqa: E402
+from sljax.schedule import Engine  # noqa: E402
+
+flags.DEFINE_string("out", "", "Write the results JSON here (rewritten after every case).")
+flags.DEFINE_bool("smoke", False, "Tiny model on CPU devices: checks every code path in a few minutes.")
+flags.DEFINE_list("cases", "one_gpu,data_parallel,fsdp", "Which cases to run, in order.")
+flags.DEFINE_integer("gpus", 2, "GPUs of the data-parallel and FSDP cases.")
+flags.DEFINE_string("model", "llama13b", "Model preset.")
+flags.DEFINE_integer("rows_per_gpu", 32, "Sequences per GPU per step.")
+flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
+flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).")
+flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory per GPU the plan may use.")
+flags.DEFINE_integer("fsdp_device_state_groups", -1, "Groups keeping their state on the device under FSDP "
+                     "(-1: the one-GPU plan's count x gpus, at most all groups).")
+FLAGS = flags.FLAGS
+
+RESULTS = []
+
+
+def batch_of(rows, seq, vocab, seed=0):
+  tokens = np.random.default_rng(seed).integers(0, vocab, (rows, seq + 1)).astype(np.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((rows, seq), np.float32)}
+
+
+def run_case(name, model, engine_cfg, place, rows_per_gpu, seq, steps):
+  """Init, one warm-up step, `steps` timed steps (each waited for at its end); the bytes of the last step."""
+  gpus = place.mesh.size
+  batch = batch_of(rows_per_gpu * gpus, seq, model.cfg.vocab_size)
+  engine = Engine(model, optax.adamw(1e-4, weight_decay=0.1), engine_cfg, place)
+  start = time.perf_counter()
+  state = jax.block_until_ready(engine.init(jax.random.key(0)))
+  print(f"{name}: mesh {dict(place.mesh.shape)}, initialized in {time.perf_counter() - start:.0f} s", flush=True)
+  state, loss = engine.step(state, batch)
+  jax.block_until_ready(loss)
+  times, losses = [], []
+  for _ in range(steps):
+    before = dict(place.moved)
+    start = time.perf_counter()
+    state, loss = engine.step(state, batch)
+    losses.append(float(loss))  # waits for the step
+    times.append(time.perf_counter() - start)
+  moved = {kind: place.moved[kind] - before[kind] for kind in before}
+  del state
+  gc.collect()
+
+  seconds = statistics.median(times)
+  tokens_per_s = rows_per_gpu * gpus * seq / seconds
+  result = {
+      "case": name, "mesh": dict(place.mesh.shape), "gpus": gpus, "rows": rows_per_gpu * gpus, "seq_len": seq,
+      "engine": dataclasses.asdict(engine_cfg), "tokens_per_s": tokens_per_s,
+      "tokens_per_s_per_gpu": tokens_per_s / gpus,
+      "mfu_per_gpu": metrics.mfu(tokens_per_s, model.cfg.flops_per_token(seq), gpus, place.mesh.devices.flat[0]),
+      "step_seconds": seconds, "step_seconds_all": times, "losses": losses,
+      "bytes_per_step": moved, "bytes_per_step_per_gpu": {kind: count / gpus for kind, count in moved.items()},
+      "peak_device_bytes_per_gpu": [(d.memory_stats() or {}).get("peak_bytes_in_use")
+                                    for d in place.mesh.devices.flat],
+  }
+  print(f"{name:14s} {tokens_per_s:10.0f} tok/s  {tokens_per_s / gpus:10.0f} per GPU  step {seconds:.2f} s  "
+        f"between GPUs {moved['between_devices'] / gpus / 1e9:.1f} GB/GPU  PCIe in "
+        f"{moved['host_to_device'] / gpus / 1e9:.1f} GB/GPU", flush=True)
+  return result
+
+
+def keep(result, model_name):
+  """Records a case, adds weak-scaling efficiencies, and rewrites the JSON (a crash later keeps what ran)."""
+  RESULTS.append(result)
+  one = next((r for r in RESULTS if r["case"] == "one_gpu"), None)
+  for r in RESULTS:
+    if one:
+      r["weak_scaling_efficiency"] = r["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
+  devices = jax.devices()
+  out = {
+      "command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "device": devices[0].device_kind, "devices": len(devices), "jax": jax.__version__, "optax": optax.__version__,
+      "python": platform.python_version(), "model": model_name, "results": RESULTS,
+      "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
+                                              "XLA_FLAGS")}}
+  if FLAGS.out:
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+      json.dump(out, f, indent=1)
+
+
+def main(argv):
+  del argv
+  gpus, seq, rows = FLAGS.gpus, FLAGS.seq_len, FLAGS.rows_per_gpu
+  overrides = {"remat": False}  # the engine's backward recomputes each group: no per-layer remat on top
+  if FLAGS.smoke:
+    overrides.update(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4,
+                     vocab_size=256)
+    seq, rows = 32, 4
+  model = build(get_config(FLAGS.model, overrides))
+  budget = dataclasses.replace(planner.default_budget(), host_bytes=int(FLAGS.host_memory_gib * planner.GIB))
+  plan = planner.make_plan(model, seq, rows, budget)  # one GPU's work: every case keeps it per GPU
+  print(plan.describe(), flush=True)
+  engine_cfg = plan.engine
+  if FLAGS.smoke:  # the tiny model fits anywhere: stream through the host anyway, so every path runs
+    engine_cfg = dataclasses.replace(engine_cfg, sub_batches=2, activations_on_host=True, device_state_groups=1)
+  groups = -(-model.cfg.num_layers // engine_cfg.live_layers)
+  fsdp_groups = FLAGS.fsdp_device_state_groups
+  if fsdp_groups < 0:
+    fsdp_groups = min(groups, engine_cfg.device_state_groups * gpus)
+  cases = {
+      "one_gpu": ({"data": 1, "fsdp": 1}, engine_cfg),
+      "data_parallel": ({"data": gpus, "fsdp": 1}, engine_cfg),
+      "fsdp": ({"data": 1, "fsdp": gpus}, dataclasses.replace(engine_cfg, device_state_groups=fsdp_groups)),
+  }
+  for name in FLAGS.cases:
+    shape, case_cfg = cases[name]
+    mesh = make_mesh(shape, jax.devices()[:shape["data"] * shape["fsdp"]])
+    result = run_case(name, model, case_cfg, Placement(mesh), rows, seq, FLAGS.steps)
+    result["plan"] = plan.describe()
+    keep(result, FLAGS.model)
+
+
+if __name__ == "__main__":
+  app.run(main)

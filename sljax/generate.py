@@ -1,0 +1,508 @@
+"""Offloaded inference: layer-major prefill and decode, with the KV cache exchanged through pinned host memory.
+
+One generation (`OffloadedGenerator.generate`), top to bottom:
+
+  prompts, left-padded to P tokens -> N sub-batches of b rows
+  one pass for the prompt (cache slots 0..P-1), then one pass per new token t (slot P + t):
+    embed every sub-batch
+    for each group g of `live_layers` layers:
+      W_g on the device: resident groups stay there; the others come from pinned host, prefetched one group ahead
+      for each sub-batch s:  its cache for g, prefetched one sub-batch ahead from pinned host (or kept on the device)
+        h[s], cache = group g over sub-batch s          (the cache is donated: updated in place)
+        cache -> pinned host
+    last-position logits of every sub-batch -> sample the next token of every row
+
+A streamed group's weights cross PCIe once per pass, whatever N is; a sub-batch's cache for a group is one contiguous
+[live, b, T, K, H] array for k and one for v, each crossing in one copy. The loop waits for the device only to bound
+how far it runs ahead (IN_FLIGHT), since every copy it issues allocates its destination at once.
+
+`plan` picks the batch, sub-batches, resident layers and the KV cache's place for given memory budgets, from the bytes
+a generation keeps (`footprint`) and moves (`pass_cost`); `generate_on_device` is the plain loop that tests compare to.
+"""
+
+import collections
+import dataclasses
+import functools
+import itertools
+import time
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.common import cache_positions
+from models.config import ModelConfig
+from sljax.memory import Placement
+from sljax.plan import GIB, default_budget
+
+IN_FLIGHT = 2  # group calls the host may dispatch ahead of the device; more would hold more copies on the device
+
+
+# ---- configs ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """What to generate: how many tokens, how to pick each, when a sequence ends."""
+
+  max_new_tokens: int = 32
+  temperature: float = 0.0  # 0: greedy
+  top_p: float = 1.0  # nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p
+  stop_tokens: tuple[int, ...] = ()  # a row ends with the first of these it generates (kept in the output)
+  pad_token: int = 0  # fills each row after its stop token, and left-pads shorter prompts (never attended to)
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+  """Where weights and caches live and how the batch is cut; `plan` chooses one for given memory budgets."""
+
+  sub_batches: int = 1  # N: the batch runs as N sub-batches that share each fetch of a group's weights
+  live_layers: int = 1  # layers per group: one jitted call runs one group over one sub-batch
+  resident_layers: int = 0  # the last layers, whose weights stay on the device; the others stream from pinned host
+  kv_on_host: bool = True  # each sub-batch's KV cache waits in pinned host memory between passes
+
+  def __post_init__(self):
+    if self.sub_batches < 1 or self.live_layers < 1 or self.resident_layers < 0:
+      raise ValueError(f"sub_batches and live_layers must be >= 1 and resident_layers >= 0, got {self}")
+
+
+# ---- sampling and the jitted pieces ------------------------------------------------------------------------------
+
+def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
+  """Next token of every row: argmax at temperature 0, else a draw from softmax(logits / temperature) cut to top_p."""
+  if temperature == 0:
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  logits_BxV = logits_BxV.astype(jnp.float32) / temperature
+  if top_p < 1:
+    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    kept_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV < top_p  # the mass before a token is short of top_p
+    threshold_B = jnp.min(jnp.where(kept_BxV, sorted_BxV, jnp.inf), axis=-1)
+    logits_BxV = jnp.where(logits_BxV < threshold_B[:, None], -jnp.inf, logits_BxV)
+  return jax.random.categorical(key, logits_BxV).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
+def _next_tokens(logits_BxV, done_B, key, step, temperature, top_p, pad_token, stop_tokens):
+  token_B = sample(logits_BxV, jax.random.fold_in(key, step), temperature, top_p)
+  token_B = jnp.where(done_B, pad_token, token_B)
+  return token_B, done_B | jnp.isin(token_B, jnp.asarray(stop_tokens, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _embed(model, outer, tokens_BxS, offset, start_B, parts: int):
+  """Embeddings of the tokens in cache slots offset.., split into `parts` sub-batches."""
+  h_BxSxD = model.embed(outer, tokens_BxS, cache_positions(offset, start_B, tokens_BxS.shape[1]))
+  return jnp.split(h_BxSxD, parts)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(3,))
+def _layers(model, stacked, h_BxSxD, cache, offset, start_B, max_len: int):
+  """A group of layers over one sub-batch through its cache; cache None starts an empty one (the prompt's pass)."""
+  if cache is None:
+    cache = model.init_cache(jax.tree.leaves(stacked)[0].shape[0], h_BxSxD.shape[0], max_len)
+  return model.layers_cached(stacked, h_BxSxD, cache, offset, start_B)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _last_logits(model, outer, hs):
+  """fp32 logits at the last position of every row of every sub-batch: [B, V]."""
+  h_Bx1xD = jnp.concatenate([h_bxSxD[:, -1:] for h_bxSxD in hs])
+  return model.logits(outer, h_Bx1xD)[:, 0].astype(jnp.float32)
+
+
+def prefetch(items: Iterable, fetch: Callable) -> Iterator:
+  """Yields fetch(item) for each item, issuing the next item's fetch before the current one is used."""
+  items = iter(items)
+  try:
+    upcoming = fetch(next(items))
+  except StopIteration:
+    return
+  for item in items:
+    current, upcoming = upcoming, fetch(item)
+    yield current
+  yield upcoming
+
+
+# ---- the loop both generators share -----------------------------------------------------------------------------
+
+class Generation(NamedTuple):
+  tokens: np.ndarray  # [B, max_new_tokens] int32; pad_token after a row's stop token
+  lengths: np.ndarray  # [B] tokens generated per row, its stop token included
+  prefill_seconds: float  # prompts in, first tokens out (compilation included, on a first call)
+  decode_seconds: float  # the other max_new_tokens - 1 tokens
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token: int, prompt_len: int | None = None):
+  """(tokens [B, P] int32, start [B] int32): each prompt right-aligned in P slots, starting at slot start[b]."""
+  lengths = np.array([len(p) for p in prompts])
+  if not len(prompts) or lengths.min() < 1:
+    raise ValueError("every prompt needs at least one token" if len(prompts) else "no prompts")
+  prompt_len = prompt_len or int(lengths.max())
+  if lengths.max() > prompt_len:
+    raise ValueError(f"a prompt has {lengths.max()} tokens, more than prompt_len {prompt_len}")
+  tokens_BxP = np.full((len(prompts), prompt_len), pad_token, np.int32)
+  for row, prompt in enumerate(prompts):
+    tokens_BxP[row, prompt_len - len(prompt):] = prompt
+  return tokens_BxP, (prompt_len - lengths).astype(np.int32)
+
+
+def _generate(model, open_passes: Callable, prompts, sampling: SamplingConfig, prompt_len: int | None,
+              max_len: int | None) -> Generation:
+  """Prompt pass, then sample -> pass -> sample ...; `open_passes(start_B, max_len)` returns the generation's
+  `run(tokens_BxS, offset) -> logits_BxV`, which owns the KV cache."""
+  tokens_BxP, start_B = left_pad(prompts, sampling.pad_token, prompt_len)
+  batch, prompt_len = tokens_BxP.shape
+  new_tokens = sampling.max_new_tokens
+  max_len = max_len or prompt_len + new_tokens
+  if max_len < prompt_len + new_tokens or max_len > model.cfg.max_positions:
+    raise ValueError(f"{prompt_len} prompt + {new_tokens} new tokens need a cache of {prompt_len + new_tokens} "
+                     f"slots; got max_len {max_len}, and the model takes at most {model.cfg.max_positions} positions")
+  run = open_passes(start_B, max_len)
+  key = jax.random.key(sampling.seed)
+  rule = (sampling.temperature, sampling.top_p, sampling.pad_token, tuple(sampling.stop_tokens))
+
+  begin = time.perf_counter()
+  logits_BxV = run(tokens_BxP, 0)
+  done_B, outputs = jnp.zeros(batch, bool), []
+  for t in range(new_tokens):
+    if t and sampling.stop_tokens and np.asarray(done_B).all():  # done as of token t - 1: computed by now
+      break
+    token_B, done_B = _next_tokens(logits_BxV, done_B, key, t, *rule)
+    outputs.append(token_B)
+    if t == 0:  # the one wait that timing needs: the prompt's pass ends with the first tokens
+      jax.block_until_ready(token_B)
+      prefilled = time.perf_counter()
+    if t + 1 < new_tokens:
+      logits_BxV = run(token_B[:, None], prompt_len + t)
+  tokens = np.full((batch, new_tokens), sampling.pad_token, np.int32)
+  tokens[:, :len(outputs)] = np.stack(jax.device_get(outputs), axis=1)
+  end = time.perf_counter()
+
+  stopped = np.isin(tokens, sampling.stop_tokens)
+  lengths = np.where(stopped.any(axis=1), stopped.argmax(axis=1) + 1, new_tokens)
+  return Generation(tokens, lengths, prefilled - begin, end - prefilled)
+
+
+def generate_on_device(model, params: dict, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                       prompt_len: int | None = None, max_len: int | None = None) -> Generation:
+  """The plain loop: the whole model and its cache on the default device, one call per pass. The reference."""
+
+  class Passes:
+    def __init__(self, start_B, max_len):
+      self.start_B, self.max_len, self.cache = jnp.asarray(start_B), max_len, None
+
+    def __call__(self, tokens_BxS, offset):
+      (h_BxSxD,) = _embed(model, params["outer"], tokens_BxS, offset, self.start_B, 1)
+      h_BxSxD, self.cache = _layers(model, params["layers"], h_BxSxD, self.cache, offset, self.start_B, self.max_len)
+      return _last_logits(model, params["outer"], [h_BxSxD])
+
+  return _generate(model, Passes, prompts, sampling, prompt_len, max_len)
+
+
+# ---- the offloaded generator -------------------------------------------------------------------------------------
+
+def _groups(start: int, stop: int, size: int) -> list[tuple[int, int]]:
+  return [(a, min(a + size, stop)) for a in range(start, stop, size)]
+
+
+class OffloadedGenerator:
+  """Generates with `model` (a models.common.LayerMajorModel) layer-major, as the module docstring describes.
+
+  Weights are kept in the model's compute dtype: `load` or `init` lays them out as {"outer": on the device,
+  "groups": [group g's stacked layers, on the device if resident, else in pinned host memory]}.
+  """
+
+  def __init__(self, model, offload: OffloadConfig, placement: Placement | None = None):
+    num_layers = model.cfg.num_layers
+    if offload.resident_layers > num_layers:
+      raise ValueError(f"resident_layers {offload.resident_layers} exceeds the model's {num_layers} layers")
+    self.model, self.offload = model, offload
+    self.place = placement or Placement.single()
+    streamed = num_layers - offload.resident_layers
+    self.groups = _groups(0, streamed, offload.live_layers) + _groups(streamed, num_layers, offload.live_layers)
+    self.resident = [a >= streamed for a, _ in self.groups]
+
+  def load(self, params: dict) -> dict:
+    """Full-model params ({"outer", "layers"}: numpy, e.g. from models.hf.load_hf, or jax) laid out by group."""
+    dtype = jnp.dtype(self.model.cfg.dtype)
+    cast = lambda tree: jax.tree.map(lambda x: np.asarray(x).astype(dtype, copy=False), tree)
+    groups = [self._home(g, cast(jax.tree.map(lambda x: x[a:b], params["layers"])))
+              for g, (a, b) in enumerate(self.groups)]
+    return {"outer": self.place.to_device(cast(params["outer"])), "groups": groups}
+
+  def init(self, key: jax.Array, host_buffers: int | None = None) -> dict:
+    """Random weights, made one group at a time on the device, so the whole model never has to fit there;
+    equal to `load(model.init(key))`.
+
+    host_buffers: make at most this many distinct pinned-host groups of each size and reuse them for the other
+    streamed groups. For benchmarks of models larger than host memory: the same bytes cross PCIe and the same
+    FLOPs run, but the weights repeat.
+    """
+    dtype = self.model.cfg.dtype
+    cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)
+    outer_key, layers_key = jax.random.split(key)
+    layer_keys = jax.random.split(layers_key, self.model.cfg.num_layers)
+    make_outer = jax.jit(lambda k: cast(self.model.init_outer(k)), out_shardings=self.place.device())
+    make = {where: jax.jit(lambda keys: cast(self.model.init_layers(keys)), out_shardings=sharding)
+            for where, sharding in (("device", self.place.device()), ("host", self.place.host()))}
+    made, used = collections.defaultdict(list), collections.Counter()  # by group size: distinct host groups, uses
+    groups = []
+    for g, (a, b) in enumerate(self.groups):
+      if self.resident[g]:
+        groups.append(make["device"](layer_keys[a:b]))
+        continue
+      pool = made[b - a]
+      if host_buffers is None or len(pool) < host_buffers:
+        pool.append(make["host"](layer_keys[a:b]))
+      groups.append(pool[used[b - a] % len(pool)])
+      used[b - a] += 1
+    return {"outer": make_outer(outer_key), "groups": groups}
+
+  def generate(self, weights: dict, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+               prompt_len: int | None = None, max_len: int | None = None) -> Generation:
+    """Continues every prompt (B of them, a multiple of sub_batches). prompt_len: left-pad every prompt to this many
+    tokens (default: the longest); max_len: cache slots per row (default: prompt_len + max_new_tokens). Fixing both
+    keeps the shapes, and so the compiled calls, of one generation for the next."""
+    open_passes = lambda start_B, max_len: _OffloadedPasses(self, weights, start_B, max_len)
+    return _generate(self.model, open_passes, prompts, sampling, prompt_len, max_len)
+
+  def prompt_logits(self, weights: dict, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+    """fp32 logits of the token after each prompt, [B, V]: the prompt's pass alone."""
+    tokens_BxP, start_B = left_pad(prompts, pad_token=0)
+    return np.asarray(_OffloadedPasses(self, weights, start_B, tokens_BxP.shape[1])(tokens_BxP, 0))
+
+  def _home(self, g: int, tree):
+    return self.place.to_device(tree) if self.resident[g] else self.place.to_host(tree)
+
+  def fetch_cache(self, cache):
+    return self.place.to_device(cache) if self.offload.kv_on_host and cache is not None else cache
+
+  def stash_cache(self, cache):
+    return self.place.to_host(cache) if self.offload.kv_on_host else cache
+
+
+class _OffloadedPasses:
+  """The passes of one generation: its sub-batches' caches and the endless stream of streamed groups' weights."""
+
+  def __init__(self, generator: OffloadedGenerator, weights: dict, start_B: np.ndarray, max_len: int):
+    if len(start_B) % generator.offload.sub_batches:
+      raise ValueError(f"{len(start_B)} prompts do not split into {generator.offload.sub_batches} equal sub-batches")
+    self.gen, self.weights, self.max_len = generator, weights, max_len
+    self.start_B = jnp.asarray(start_B)
+    self.starts = [jnp.asarray(part) for part in np.split(start_B, generator.offload.sub_batches)]
+    self.caches = [[None] * len(self.starts) for _ in generator.groups]  # caches[g][s]: (k, v) of sub-batch s, group g
+    streamed = [w for w, resident in zip(weights["groups"], generator.resident) if not resident]
+    # Every pass visits the streamed groups in the same order, so the next pass's first fetch starts in this one.
+    self.weight_stream = prefetch(itertools.cycle(streamed), generator.place.to_device)
+    self.in_flight = collections.deque()
+
+  def __call__(self, tokens_BxS, offset) -> jax.Array:
+    gen, outer = self.gen, self.weights["outer"]
+    hs = list(_embed(gen.model, outer, tokens_BxS, offset, self.start_B, len(self.starts)))
+    slots = [(g, s) for g in range(len(gen.groups)) for s in range(len(hs))]
+    cache_stream = prefetch((self.caches[g][s] for g, s in slots), gen.fetch_cache)  # read lazily: frees as it goes
+    for (g, s), cache in zip(slots, cache_stream):
+      if s == 0:
+        weights = self.weights["groups"][g] if gen.resident[g] else next(self.weight_stream)
+      hs[s], cache = _layers(gen.model, weights, hs[s], cache, offset, self.starts[s], self.max_len)
+      self.caches[g][s] = gen.stash_cache(cache)
+      self._bound(hs[s])
+    return _last_logits(gen.model, outer, hs)
+
+  def _bound(self, output):
+    """Waits for the call IN_FLIGHT calls back, so at most IN_FLIGHT + 1 groups' weights and sub-batches' caches are
+    on the device at once: a copy allocates its destination when it is issued, not when it runs."""
+    self.in_flight.append(output)
+    if len(self.in_flight) > IN_FLIGHT:
+      self.in_flight.popleft().block_until_ready()
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """Rates behind the planner's time estimates; the defaults are one H200's (shared/DESIGN.md, measured)."""
+
+  host_to_device: float = 53e9  # bytes/s from pinned host
+  device_to_host: float = 54e9
+  both_directions: float = 85e9  # bytes/s in total while copies run both ways
+  flops: float = 600e12  # FLOP/s that bf16 layers reach
+  memory: float = 4.0e12  # device memory bytes/s: every sub-batch's call reads its group's weights again
+  dispatch: float = 50e-6  # host seconds per jitted call
+
+
+def _sizes(cfg: ModelConfig) -> tuple[int, int, int]:
+  """Bytes of one layer's weights, of the outer weights, and of one layer's keys + values for one token."""
+  item = jnp.dtype(cfg.dtype).itemsize
+  return (cfg.layer_param_count() * item, cfg.outer_param_count() * item, 2 * cfg.kv_heads * cfg.head_dim * item)
+
+
+def footprint(cfg: ModelConfig, offload: OffloadConfig, batch: int, prompt_len: int, max_len: int) -> tuple[int, int]:
+  """(device bytes, pinned host bytes) that a generation keeps at its peak (the prompt's pass)."""
+  layer, outer, kv_token = _sizes(cfg)
+  item = jnp.dtype(cfg.dtype).itemsize
+  rows = batch // offload.sub_batches
+  streamed = cfg.num_layers - offload.resident_layers
+  live = min(offload.live_layers, max(streamed, 1))
+  group_cache = offload.live_layers * rows * max_len * kv_token  # one sub-batch's cache for one group
+  cache = cfg.num_layers * batch * max_len * kv_token
+  # One call's temporaries: attention scores over every slot (fp32, their fp32 softmax, its cast back), the MLP,
+  # the projections, and the group's cache written anew (scan outputs do not alias their inputs).
+  scores = rows * cfg.num_heads * prompt_len * max_len * (4 + 4 + item)
+  temporaries = scores + rows * prompt_len * (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * item + group_cache
+  in_flight = IN_FLIGHT + 1
+  device = outer + offload.resident_layers * layer + (in_flight * live * layer if streamed else 0)
+  device += in_flight * group_cache if offload.kv_on_host else cache
+  # Hidden states in and out; one call's scratch, which the next call reuses (the device runs them in order).
+  device += 2 * batch * prompt_len * cfg.hidden_size * item + temporaries
+  host = streamed * layer + (cache if offload.kv_on_host else 0)
+  return device, host
+
+
+class PassCost(NamedTuple):
+  host_to_device: int  # bytes
+  device_to_host: int  # bytes
+  seconds: float  # estimate: the slowest of copies in, out, both at once, FLOPs, memory reads and dispatch
+
+
+def pass_cost(cfg: ModelConfig, offload: OffloadConfig, batch: int, seq: int, max_len: int, prompt: bool,
+              hardware: Hardware = Hardware()) -> PassCost:
+  """Bytes moved and estimated time of one pass of `seq` tokens per row (the prompt's pass, or one decode pass)."""
+  layer, outer, kv_token = _sizes(cfg)
+  streamed = cfg.num_layers - offload.resident_layers
+  cache = cfg.num_layers * batch * max_len * kv_token
+  cache_in = cache if offload.kv_on_host and not prompt else 0  # the prompt's pass starts its caches on the device
+  cache_out = cache if offload.kv_on_host else 0
+  copied_in = streamed * layer + cache_in
+  flops = batch * seq * cfg.num_layers * (2 * cfg.layer_param_count() + 4 * max_len * cfg.hidden_size)
+  flops += 2 * batch * cfg.vocab_size * cfg.embed_dim
+  calls = len(_groups(0, streamed, offload.live_layers) + _groups(streamed, cfg.num_layers, offload.live_layers))
+  seconds = max(copied_in / hardware.host_to_device, cache_out / hardware.device_to_host,
+                (copied_in + cache_out) / hardware.both_directions, flops / hardware.flops,
+                (offload.sub_batches * cfg.num_layers * layer + outer + cache) / hardware.memory,
+                (calls * offload.sub_batches + 3) * hardware.dispatch)
+  return PassCost(copied_in, cache_out, seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  offload: OffloadConfig
+  batch: int
+  prompt_len: int
+  new_tokens: int
+  device_bytes: int
+  host_bytes: int
+  device_budget: int
+  host_budget: int
+  prefill: PassCost  # the prompt's pass
+  decode: PassCost  # one decode pass: one new token for every row
+
+  @property
+  def tokens_per_s(self) -> float:
+    """Estimated generated tokens per second, the prompt's pass included."""
+    return self.batch * self.new_tokens / (self.prefill.seconds + (self.new_tokens - 1) * self.decode.seconds)
+
+  @property
+  def decode_bytes_per_token(self) -> float:
+    """Bytes over PCIe, both ways, per token generated by a decode pass."""
+    return (self.decode.host_to_device + self.decode.device_to_host) / self.batch
+
+  def as_dict(self) -> dict:
+    return {**dataclasses.asdict(self), "prefill": self.prefill._asdict(), "decode": self.decode._asdict(),
+            "tokens_per_s": self.tokens_per_s, "decode_bytes_per_token": self.decode_bytes_per_token}
+
+  def describe(self, cfg: ModelConfig) -> str:
+    o, n = self.offload, self.offload.sub_batches
+    layer, _, kv_token = _sizes(cfg)
+    streamed = cfg.num_layers - o.resident_layers
+    max_len = self.prompt_len + self.new_tokens
+    cache = cfg.num_layers * self.batch * max_len * kv_token
+    return "\n".join([
+        f"batch {self.batch} = {n} sub-batch{'es' * (n > 1)} of {self.batch // n} rows; "
+        f"prompt {self.prompt_len} + {self.new_tokens} new tokens ({max_len} cache slots per row)",
+        f"weights ({cfg.dtype}): {o.resident_layers} of {cfg.num_layers} layers resident on the device, {streamed} "
+        f"streamed from pinned host in groups of {o.live_layers} ({layer / 1e9:.3g} GB per layer)",
+        f"KV cache: {cache / GIB:.2f} GiB ({max_len * cfg.num_layers * kv_token / 2**20:.1f} MiB per row), "
+        f"{'in pinned host memory' if o.kv_on_host else 'on the device'}",
+        f"memory: device {self.device_bytes / GIB:.2f} of {self.device_budget / GIB:.2f} GiB, "
+        f"pinned host {self.host_bytes / GIB:.2f} of {self.host_budget / GIB:.2f} GiB",
+        f"per decode pass: {self.decode.host_to_device / 1e9:.3g} GB host->device, "
+        f"{self.decode.device_to_host / 1e9:.3g} GB device->host = {self.decode_bytes_per_token / 1e6:.4g} MB per "
+        f"generated token",
+        f"estimate: prompt pass {self.prefill.seconds:.3g} s, decode pass {self.decode.seconds:.3g} s -> "
+        f"{self.tokens_per_s:.4g} generated tokens/s"])
+
+
+def _make_plan(cfg, offload, batch, prompt_len, new_tokens, budgets, hardware) -> Plan:
+  max_len = prompt_len + new_tokens
+  device, host = footprint(cfg, offload, batch, prompt_len, max_len)
+  return Plan(offload, batch, prompt_len, new_tokens, device, host, *budgets,
+              pass_cost(cfg, offload, batch, prompt_len, max_len, True, hardware),
+              pass_cost(cfg, offload, batch, 1, max_len, False, hardware))
+
+
+def plan(cfg: ModelConfig, prompt_len: int, new_tokens: int, device_budget: int, host_budget: int, *,
+         batch: int | None = None, sub_batches: int | None = None, live_layers: int = 1,
+         resident_layers: int | None = None, kv_on_host: bool | None = None, hardware: Hardware = Hardware(),
+         max_batch: int = 1024) -> Plan:
+  """The generation layout with the best estimated throughput that fits both memory budgets (bytes).
+
+  Knobs given (not None) are kept; the others are searched: the batch over powers of two up to max_batch and
+  max_batch itself, the KV cache on the device or in pinned host memory, sub-batches over the batch's divisors, and
+  as many resident layers as fit. Of the layouts within 3% of the best estimate it takes the smallest batch, then the
+  cache on the device, then the fewest sub-batches. Raises ValueError, with the GiB needed and available, when nothing
+  fits.
+  """
+  max_len = prompt_len + new_tokens
+  if min(prompt_len, new_tokens, live_layers, batch or 1, sub_batches or 1, max_batch) < 1:
+    raise ValueError("prompt_len, new_tokens, live_layers, batch, sub_batches and max_batch must be positive")
+  if max_len > cfg.max_positions:
+    raise ValueError(f"{prompt_len} prompt + {new_tokens} new tokens exceed the model's {cfg.max_positions} positions")
+  if batch and sub_batches and batch % sub_batches:
+    raise ValueError(f"batch {batch} does not split into {sub_batches} equal sub-batches")
+  if resident_layers is not None and not 0 <= resident_layers <= cfg.num_layers:
+    raise ValueError(f"resident_layers must be in 0..{cfg.num_layers}, got {resident_layers}")
+  budgets = (device_budget, host_budget)
+  fitting, closest = [], None  # closest: (shortfall in bytes, offload, batch, device, host) of the best misfit
+  for b in [batch] if batch else sorted({2**i for i in range(max_batch.bit_length())} | {max_batch}):
+    for on_host in [kv_on_host] if kv_on_host is not None else [False, True]:
+      for n in [sub_batches] if sub_batches else [n for n in range(1, b + 1) if b % n == 0]:
+        if b % n:
+          continue
+        for r in [resident_layers] if resident_layers is not None else range(cfg.num_layers, -1, -1):
+          offload = OffloadConfig(n, live_layers, r, on_host)
+          device, host = footprint(cfg, offload, b, prompt_len, max_len)
+          shortfall = max(device - device_budget, 0) + max(host - host_budget, 0)
+          if not shortfall:
+            fitting.append(_make_plan(cfg, offload, b, prompt_len, new_tokens, budgets, hardware))
+            break  # the most resident layers that fit: fewer would only move more bytes
+          if closest is None or shortfall < closest[0]:
+            closest = (shortfall, offload, b, device, host)
+  if not fitting:
+    if closest is None:
+      raise ValueError(f"no batch up to {max_batch} splits into {sub_batches} equal sub-batches")
+    _, o, b, device, host = closest
+    raise ValueError(
+        f"batch {b} with {prompt_len} + {new_tokens} tokens does not fit: its smallest layout ({o.sub_batches} "
+        f"sub-batches, {o.resident_layers} resident layers, KV cache {'on host' if o.kv_on_host else 'on device'}) "
+        f"needs {device / GIB:.2f} GiB of device memory ({device_budget / GIB:.2f} available) and {host / GIB:.2f} "
+        f"GiB of pinned host memory ({host_budget / GIB:.2f} available)")
+  best = max(p.tokens_per_s for p in fitting)
+  return next(p for p in fitting if p.tokens_per_s >= 0.97 * best)
+
+
+def memory_budgets(device: jax.Device | None = None) -> tuple[int, int]:
+  """(device bytes, pinned host bytes) a generation may use here: sljax.plan's budgets, less 3% and 1 GiB of the
+  device's for fragmentation and XLA's own scratch, which `footprint` does not count."""
+  budget = default_budget(device)
+  return max(int(0.97 * budget.device_bytes) - GIB, 0), budget.host_bytes

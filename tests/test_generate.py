@@ -1,0 +1,278 @@
+"""Offloaded generation must equal the plain all-on-device loop, and its prompt logits Hugging Face's."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from models.hf import load_hf
+from models.presets import build, get_config
+from sljax import generate as gen
+from sljax.checkpoint import Checkpointer, restore_params
+from sljax.generate import GIB, OffloadConfig, OffloadedGenerator, SamplingConfig, generate_on_device, plan
+from sljax.memory import HOST
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {
+    "llama": dict(family="llama", num_layers=4, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
+                  max_positions=64, dtype="float32", attention="xla"),
+    "opt": dict(family="opt", num_layers=4, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=4,
+                max_positions=64, dtype="float32", attention="xla"),
+}
+
+
+@functools.cache
+def _setup(family: str):
+  """(model, params, prompts of 1..9 tokens for 4 rows) of a tiny fp32 model, built once."""
+  model = build(get_config("llama-tiny", TINY[family]))
+  params = jax.jit(model.init)(jax.random.key(0, impl="rbg"))  # rbg: XLA:CPU compiles it faster than threefry
+  rng = np.random.default_rng(1)
+  prompts = [list(rng.integers(1, 256, n)) for n in (5, 1, 9, 3)]  # uneven: rows are left-padded
+  return model, params, prompts
+
+
+@functools.cache
+def _reference(family: str, sampling: SamplingConfig) -> np.ndarray:
+  model, params, prompts = _setup(family)
+  return generate_on_device(model, params, prompts, sampling).tokens
+
+
+@st.composite
+def offloads(draw):
+  num_layers = TINY["llama"]["num_layers"]
+  return OffloadConfig(sub_batches=draw(st.sampled_from([1, 2, 4])), live_layers=draw(st.integers(1, num_layers)),
+                       resident_layers=draw(st.integers(0, num_layers)), kv_on_host=draw(st.booleans()))
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(offload=offloads())
+def test_offloaded_greedy_tokens_equal_the_on_device_loop(family, offload):
+  model, params, prompts = _setup(family)
+  sampling = SamplingConfig(max_new_tokens=5)
+  generator = OffloadedGenerator(model, offload)
+  got = generator.generate(generator.load(params), prompts, sampling)
+  np.testing.assert_array_equal(got.tokens, _reference(family, sampling))
+  assert list(got.lengths) == [5] * 4
+
+
+def test_sampling_and_stop_tokens_equal_the_on_device_loop():
+  model, params, prompts = _setup("llama")
+  generator = OffloadedGenerator(model, OffloadConfig(sub_batches=2, live_layers=3, resident_layers=1))
+  weights = generator.load(params)
+  sampled = SamplingConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=7)
+  np.testing.assert_array_equal(generator.generate(weights, prompts, sampled).tokens, _reference("llama", sampled))
+
+  greedy = _reference("llama", SamplingConfig(max_new_tokens=6))
+  stop = int(greedy[0, 2])  # row 0 stops at its third token; other rows at their first `stop`, if any
+  stopping = SamplingConfig(max_new_tokens=6, stop_tokens=(stop,), pad_token=-1)
+  got = generator.generate(weights, prompts, stopping)
+  np.testing.assert_array_equal(got.tokens, generate_on_device(model, params, prompts, stopping).tokens)
+  for row, length in enumerate(got.lengths):
+    hits = np.flatnonzero(greedy[row] == stop)
+    assert length == (hits[0] + 1 if len(hits) else 6)
+    np.testing.assert_array_equal(got.tokens[row, :length], greedy[row, :length])
+    assert (got.tokens[row, length:] == -1).all()
+
+
+def test_a_batch_of_uneven_prompts_equals_each_prompt_alone():
+  model, params, prompts = _setup("opt")
+  sampling = SamplingConfig(max_new_tokens=4)
+  batched = _reference("opt", sampling)
+  for row, prompt in enumerate(prompts):
+    np.testing.assert_array_equal(generate_on_device(model, params, [prompt], sampling).tokens[0], batched[row])
+
+
+def test_init_equals_load_of_model_init():
+  model, _, _ = _setup("opt")
+  generator = OffloadedGenerator(model, OffloadConfig(live_layers=3, resident_layers=1))
+  key = jax.random.key(3)  # threefry: rbg's bits may change with the shape of a vmapped draw
+  made, loaded = generator.init(key), generator.load(jax.jit(model.init)(key))
+  for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(loaded)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_weights_and_kv_cache_live_where_the_config_says():
+  model, params, prompts = _setup("llama")
+  kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+  for kv_on_host, cache_kind in ((True, HOST), (False, "device")):
+    generator = OffloadedGenerator(model, OffloadConfig(sub_batches=2, live_layers=2, resident_layers=2,
+                                                        kv_on_host=kv_on_host))
+    weights = generator.load(params)
+    assert [kinds(group) for group in weights["groups"]] == [{HOST}, {"device"}]
+    assert kinds(weights["outer"]) == {"device"}
+    tokens_BxP, start_B = gen.left_pad(prompts, pad_token=0)
+    passes = gen._OffloadedPasses(generator, weights, start_B, max_len=16)
+    passes(tokens_BxP, 0)
+    assert kinds(passes.caches) == {cache_kind}
+    k_LxBxTxKxH = passes.caches[0][1][0]  # group 0, sub-batch 1: one contiguous array for its rows
+    assert k_LxBxTxKxH.shape == (2, 2, 16, 2, 8)
+
+
+def _hf_model(family: str, seed: int):
+  torch.manual_seed(seed)
+  if family == "llama":
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config)
+  else:
+    config = transformers.OPTConfig(
+        vocab_size=96, hidden_size=32, ffn_dim=40, num_hidden_layers=3, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=32, attn_implementation="eager")
+    model = transformers.OPTForCausalLM(config)
+  with torch.no_grad():
+    for p in model.parameters():  # nonzero biases and non-unit norms, so a mis-mapped tensor cannot hide
+      p.add_(0.05 * torch.randn_like(p))
+  return model.eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_prompt_logits_match_transformers(tmp_path, family):
+  torch_model = _hf_model(family, seed=2)
+  torch_model.save_pretrained(tmp_path)
+  cfg, params = load_hf(tmp_path, dtype="float32", param_dtype="float32", attention="xla")
+  model = build(cfg)
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, cfg.vocab_size, n) for n in (7, 2, 11, 4)]
+  with torch.no_grad():  # each prompt alone, unpadded
+    want_BxV = np.stack([torch_model(torch.from_numpy(p)[None]).logits[0, -1].numpy() for p in prompts])
+
+  generator = OffloadedGenerator(model, OffloadConfig(sub_batches=2, live_layers=2, resident_layers=1))
+  np.testing.assert_allclose(generator.prompt_logits(generator.load(params), prompts), want_BxV, rtol=0, atol=1e-4)
+
+  # Every position of the prompt's pass through the cache, as the model sees it.
+  tokens_BxS = np.stack([p[:2] for p in prompts])
+  start_B = np.zeros(4, np.int32)
+  h_BxSxD, _ = model.layers_cached(params["layers"], model.embed(params["outer"], tokens_BxS),
+                                   model.init_cache(cfg.num_layers, 4, 5), 0, start_B)
+  with torch.no_grad():
+    want_BxSxV = torch_model(torch.from_numpy(tokens_BxS)).logits.numpy()
+  np.testing.assert_allclose(model.logits(params["outer"], h_BxSxD), want_BxSxV, rtol=0, atol=1e-4)
+
+
+def test_sample_keeps_only_the_top_p_nucleus():
+  logits_BxV = np.log(np.array([[0.1, 0.6, 0.2, 0.1]] * 256, np.float32))
+  key = jax.random.key(0)
+  assert set(np.asarray(gen.sample(logits_BxV, key, 1.0, 0.5))) == {1}
+  assert set(np.asarray(gen.sample(logits_BxV, key, 1.0, 0.75))) == {1, 2}
+  assert set(np.asarray(gen.sample(logits_BxV, key, 1.0, 1.0))) == {0, 1, 2, 3}
+  assert set(np.asarray(gen.sample(logits_BxV, key, 0.0, 1.0))) == {1}
+
+
+def test_plan_fits_the_budgets_and_streams_what_does_not_fit():
+  cfg = get_config("llama70b", dict(dtype="bfloat16", param_dtype="bfloat16"))
+  device, host = 120 * GIB, 100 * GIB
+  chosen = plan(cfg, 512, 32, device, host)
+  o = chosen.offload
+  assert chosen.device_bytes <= device and chosen.host_bytes <= host
+  assert gen.footprint(cfg, o, chosen.batch, 512, 544) == (chosen.device_bytes, chosen.host_bytes)
+  assert 0 < o.resident_layers < cfg.num_layers  # 138 GB of weights: some layers must stream
+  assert chosen.batch % o.sub_batches == 0
+  layer_bytes = cfg.layer_param_count() * 2
+  cache_bytes = cfg.num_layers * chosen.batch * 544 * 2 * cfg.kv_heads * cfg.head_dim * 2
+  assert chosen.decode.host_to_device == (cfg.num_layers - o.resident_layers) * layer_bytes + o.kv_on_host * cache_bytes
+  assert "streamed from pinned host" in chosen.describe(cfg)
+
+  fixed = plan(cfg, 512, 32, device, host, batch=32, sub_batches=2, kv_on_host=True)
+  assert (fixed.batch, fixed.offload.sub_batches, fixed.offload.kv_on_host) == (32, 2, True)
+  # A model that fits leaves everything on the device and moves nothing.
+  tiny = plan(get_config("llama-tiny"), 16, 8, GIB, GIB, batch=4)
+  assert tiny.offload.resident_layers == 4 and tiny.decode_bytes_per_token == 0
+
+
+PLAN_ERRORS = {
+    r"does not fit: .* needs [\d.]+ GiB of device memory \(16.00 available\) and [\d.]+ GiB of pinned host":
+        dict(device_budget=16 * GIB, host_budget=8 * GIB),
+    "batch 6 does not split into 4 equal sub-batches": dict(batch=6, sub_batches=4),
+    "exceed the model's 4096 positions": dict(new_tokens=4000),
+    "resident_layers must be in 0..80": dict(resident_layers=81),
+}
+
+
+@pytest.mark.parametrize("message", PLAN_ERRORS)
+def test_plan_refuses_what_cannot_run(message):
+  args = dict(cfg=get_config("llama70b", dict(dtype="bfloat16")), prompt_len=512, new_tokens=32,
+              device_budget=120 * GIB, host_budget=100 * GIB)
+  with pytest.raises(ValueError, match=message):
+    plan(**{**args, **PLAN_ERRORS[message]})
+
+
+def test_generator_refuses_bad_requests():
+  model, params, prompts = _setup("llama")
+  with pytest.raises(ValueError, match="resident_layers 5 exceeds the model's 4 layers"):
+    OffloadedGenerator(model, OffloadConfig(resident_layers=5))
+  generator = OffloadedGenerator(model, OffloadConfig(sub_batches=3))
+  with pytest.raises(ValueError, match="4 prompts do not split into 3 equal sub-batches"):
+    generator.generate(generator.load(params), prompts, SamplingConfig(max_new_tokens=2))
+  with pytest.raises(ValueError, match="the model takes at most 64 positions"):
+    generate_on_device(model, params, prompts, SamplingConfig(max_new_tokens=60))
+  with pytest.raises(ValueError, match="every prompt needs at least one token"):
+    generate_on_device(model, params, [[1], []], SamplingConfig())
+  with pytest.raises(ValueError, match="top_p must be in"):
+    SamplingConfig(top_p=0.0)
+
+
+def test_params_restore_from_both_training_states(tmp_path):
+  model, params, _ = _setup("opt")
+  two_groups = [jax.tree.map(lambda x: x[a:b], params["layers"]) for a, b in ((0, 3), (3, 4))]
+  states = {"device": {"params": params, "opt_state": {"mu": params}},
+            "offload": {"outer": params["outer"], "groups": [{"master": g, "opt": g} for g in two_groups]}}
+  for name, state in states.items():
+    checkpointer = Checkpointer(str(tmp_path / name / "checkpoints"), save_every=1)
+    checkpointer.save(1, state, {"model": "tiny"})
+    checkpointer.close()
+    restored = restore_params(str(tmp_path / name))
+    assert jax.tree.structure(restored) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
+      assert isinstance(a, np.ndarray)
+      np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "generate.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_generates_one_json_line_per_prompt_and_plans(tmp_path):
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("def fib(n):\n\nHello, world\nimport os\n")  # the blank line is skipped
+  tiny = ["--set=num_layers=2", "--set=hidden_size=32", "--set=intermediate_size=48", "--set=num_heads=2",
+          "--set=num_kv_heads=1", "--set=dtype=float32"]
+  result = _cli("--random_weights", *tiny, f"--prompt_file={prompts}", "--max_new_tokens=4", "--batch=2",
+                "--sub_batches=2", "--resident_layers=1", "--kv_on_host")
+  assert result.returncode == 0, result.stderr
+  records = [json.loads(line) for line in result.stdout.splitlines()]
+  assert [r["prompt"] for r in records] == ["def fib(n):", "Hello, world", "import os"]
+  assert all(len(r["tokens"]) == 4 and isinstance(r["completion"], str) for r in records)
+
+  result = _cli("--model=llama70b", "--set=dtype=bfloat16", "--prompt_len=512", "--plan", "--device_memory_gib=120",
+                "--host_memory_gib=100")
+  assert result.returncode == 0, result.stderr
+  assert "streamed from pinned host" in result.stdout and "per generated token" in result.stdout
+
+
+CLI_ERRORS = {
+    "give --prompt_file": [],
+    "give one weight source, not --hf_dir and --random_weights": ["--random_weights", "--hf_dir=x", "--plan",
+                                                                    "--prompt_len=8"],
+    "needs 0.0": ["--plan", "--prompt_len=8", "--device_memory_gib=0.00001"],
+    "unknown model field 'num_wings'": ["--set=num_wings=2"],
+}
+
+
+@pytest.mark.parametrize("message", CLI_ERRORS)
+def test_cli_bad_requests_exit_with_one_line(message):
+  result = _cli(*CLI_ERRORS[message])
+  assert result.returncode != 0
+  errors = [line for line in result.stderr.splitlines() if line.startswith("sljax:")]
+  assert len(errors) == 1 and message in errors[0], result.stderr
+  assert "Traceback" not in result.stderr

@@ -1,0 +1,297 @@
+"""The engine over a data x fsdp mesh equals the single-device engine and the plain full-batch step; it sends the
+documented bytes between devices, restores checkpoints of another mesh shape, and runs as several processes.
+
+Run on CPU with 8 forced host devices (conftest.py). This file doubles as the worker of the two-process test:
+`python tests/test_mesh.py <coordinator> <process id> <out.json>`.
+"""
+
+import fractions
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models.presets import build, get_config  # noqa: E402
+from sljax.checkpoint import Checkpointer  # noqa: E402
+from sljax.memory import HOST, Placement, tree_bytes  # noqa: E402
+from sljax.mesh import initialize_distributed, make_mesh, parse_mesh, state_spec  # noqa: E402
+from sljax.schedule import Engine, EngineConfig  # noqa: E402
+
+P = jax.sharding.PartitionSpec
+MESHES = [(1, 8), (2, 4), (4, 2), (8, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]  # (data, fsdp); 8 devices or fewer
+COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
+
+
+def tiny_model(dtype="float32", hidden=16, family="llama"):
+  return build(get_config("llama-tiny", dict(family=family, num_layers=2, hidden_size=hidden, intermediate_size=24,
+                                             num_heads=2, num_kv_heads=2, dtype=dtype)))
+
+
+def make_batch(rng, rows, seq=8):
+  tokens = rng.integers(0, 256, (rows, seq + 1)).astype(np.int32)
+  weights = (rng.random((rows, seq)) > 0.25).astype(np.float32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
+
+
+def placement(data, fsdp):
+  return Placement(make_mesh({"data": data, "fsdp": fsdp}))
+
+
+def rel_error(got, want):
+  flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+  return np.linalg.norm(flat(got) - flat(want)) / np.linalg.norm(flat(want))
+
+
+def run_engine(model, optimizer, cfg, place, params, batches):
+  engine = Engine(model, optimizer, cfg, place)
+  state, losses = engine.from_params(params), []
+  for batch in batches:
+    state, loss = engine.step(state, batch)
+    losses.append(float(loss))
+  return engine, state, losses
+
+
+# ---- fidelity ----------------------------------------------------------------------------------------------------
+
+@st.composite
+def mesh_cases(draw):
+  data, fsdp = draw(st.sampled_from(MESHES))
+  sub_batches = draw(st.sampled_from([1, 2]))
+  cfg = EngineConfig(sub_batches=sub_batches, live_layers=draw(st.sampled_from([1, 2])),
+                     grad_clip_norm=draw(st.sampled_from([0.0, 0.05])), activations_on_host=draw(st.booleans()),
+                     device_state_groups=draw(st.integers(0, 1)))
+  # hidden 12: with fsdp 8 some leaves have no dimension 8 divides and stay whole.
+  model = dict(family=draw(st.sampled_from(["llama", "opt"])), hidden=draw(st.sampled_from([12, 16])))
+  return (data, fsdp), cfg, model, draw(st.sampled_from(["sgd", "adamw"])), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mesh_cases())
+def test_sharded_step_equals_single_device_step_and_full_batch_step(case):
+  (data, fsdp), cfg, model_kwargs, optimizer_name, seed = case
+  model = tiny_model(**model_kwargs)
+  optimizer = optax.sgd(1.0) if optimizer_name == "sgd" else optax.adamw(1e-3, weight_decay=0.1)
+  rng = np.random.default_rng(seed)
+  params = model.init(jax.random.key(seed))
+  batches = [make_batch(rng, 8 * cfg.sub_batches) for _ in range(2)]
+
+  tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), optimizer) if cfg.grad_clip_norm else optimizer
+
+  @jax.jit
+  def full_batch_step(params, opt_state, batch):  # plain training: jax.grad over the whole model, then optax
+    loss, grads = jax.value_and_grad(model.loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  want_params, opt_state, want_losses = params, tx.init(params), []
+  for batch in batches:
+    want_params, opt_state, loss = full_batch_step(want_params, opt_state, batch)
+    want_losses.append(float(loss))
+
+  single, single_state, single_losses = run_engine(model, optimizer, cfg, Placement.single(), params, batches)
+  sharded, state, losses = run_engine(model, optimizer, cfg, placement(data, fsdp), params, batches)
+
+  np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  assert rel_error(sharded.params(state), single.params(single_state)) <= 1e-5
+  assert rel_error(sharded.params(state), want_params) <= 1e-5
+  # The state stays in the layout abstract_state promises (so nothing recompiles and checkpoints restore in place).
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(sharded.abstract_state(jax.random.key(0)))):
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (got.sharding, want.sharding)
+
+
+def test_state_spec_splits_the_largest_divisible_dimension_never_the_layer_axis():
+  assert state_spec((2, 24, 16), 8) == P(None, "fsdp")
+  assert state_spec((2, 16, 24), 8) == P(None, None, "fsdp")
+  assert state_spec((2, 16, 16), 4) == P(None, "fsdp")  # a tie: the first
+  assert state_spec((8, 12), 8) == P()  # only the layer axis divides: stays whole
+  assert state_spec((2, 24), 1) == P() and state_spec((), 4) == P()
+
+
+def test_state_is_sharded_over_fsdp_in_pinned_host_memory():
+  engine = Engine(tiny_model("bfloat16"), optax.adamw(1e-3), EngineConfig(), placement(2, 4))
+  state = engine.init(jax.random.key(0))
+  for name in ("master", "opt", "weights"):
+    for x in jax.tree.leaves(state["groups"][0][name]):
+      assert x.sharding.memory_kind == HOST
+      if x.ndim:  # Adam's step count is a scalar
+        assert "fsdp" in x.sharding.spec
+        assert x.addressable_shards[0].data.size == x.size // 4  # each device's host holds a quarter
+  assert all(x.sharding.spec == P() for x in jax.tree.leaves(state["outer"]))
+
+
+# ---- bytes -------------------------------------------------------------------------------------------------------
+
+def test_each_group_is_gathered_once_and_reduced_once_per_step_with_the_documented_bytes():
+  """data 2 x fsdp 4, bf16 compute, everything on the host, 2 sub-batches: the sub-batch calls communicate nothing;
+  between devices: one all-gather per group and pass, one reduce per group, one all-reduce of embeddings + head
+  (see sljax/schedule.py); over PCIe each data replica moves its own copy of the shards."""
+  d, f = 2, 4
+  n = d * f
+  model = tiny_model("bfloat16")
+  cfg = EngineConfig(sub_batches=2, live_layers=1, grad_clip_norm=0.5)
+  batch = make_batch(np.random.default_rng(0), 2 * n)
+  params = model.init(jax.random.key(0))
+
+  engine = Engine(model, optax.adamw(1e-3), cfg, placement(d, f))
+  state = engine.from_params(params)
+  compiled = {}
+  for name in ("_embed", "_forward", "_last_group", "_backward", "_embed_backward"):
+    _record_first_call(engine, name, compiled)
+  before = dict(engine.place.moved)
+  engine.step(state, batch)
+  moved = {k: engine.place.moved[k] - before[k] for k in before}
+
+  for name, (fn, args) in compiled.items():
+    hlo = fn.lower(*args).compile().as_text()
+    assert not COLLECTIVE.findall(hlo), f"{name} communicates: {COLLECTIVE.findall(hlo)}"
+
+  groups = len(engine.groups)
+  weights = tree_bytes(state["groups"][0]["weights"])  # bf16 (deleted arrays still know their shapes)
+  fp32 = tree_bytes(state["groups"][0]["master"])
+  outer = tree_bytes(params["outer"])
+  frac = fractions.Fraction
+  per_device = (frac(f - 1, f) * (2 * groups - 1) * weights
+                + groups * (frac(f - 1, f) + frac(2 * (d - 1), d * f)) * fp32
+                + frac(2 * (n - 1), n) * (outer + 4))
+  assert moved["between_devices"] == n * per_device
+
+  single = Engine(model, optax.adamw(1e-3), cfg, Placement.single())
+  single_state = single.from_params(params)
+  before = dict(single.place.moved)
+  single.step(single_state, batch)
+  single_moved = {k: single.place.moved[k] - before[k] for k in before}
+  group_state = tree_bytes((state["groups"][0]["master"], state["groups"][0]["opt"]))
+  # Per group: weights in twice (the last group's once) and out once, state in and out, clipped fp32 grads parked.
+  # Shards move once per data replica; Adam's step count (a scalar) is whole on every device.
+  count = groups * sum(x.nbytes for x in jax.tree.leaves(state["groups"][0]["opt"]) if x.ndim == 0)
+  replicated_in = groups * (2 * weights + group_state + fp32) - weights - count
+  replicated_out = groups * (weights + group_state + fp32) - count
+  assert moved["host_to_device"] - single_moved["host_to_device"] == (d - 1) * replicated_in + (n - 1) * count
+  assert moved["device_to_host"] - single_moved["device_to_host"] == (d - 1) * replicated_out + (n - 1) * count
+
+
+def _record_first_call(engine, name, compiled):
+  fn = getattr(engine, name)
+
+  def recorded(*args):
+    abstract = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+    compiled.setdefault(name, (fn, jax.tree.map(abstract, args)))
+    return fn(*args)
+
+  setattr(engine, name, recorded)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------------------
+
+def test_checkpoint_of_one_mesh_shape_restores_on_another(tmp_path):
+  model = tiny_model("bfloat16")
+  cfg = EngineConfig(live_layers=1, device_state_groups=1)  # host groups and a device-resident group
+  writer = Engine(model, optax.adamw(1e-3), cfg, placement(2, 4))
+  state = writer.init(jax.random.key(1))
+  checkpointer = Checkpointer(str(tmp_path), save_every=1)
+  checkpointer.save(3, state, {"data_step": 3})
+  checkpointer.close()
+
+  for data, fsdp in [(1, 8), (4, 1)]:
+    reader = Engine(model, optax.adamw(1e-3), cfg, placement(data, fsdp))
+    abstract = reader.abstract_state(jax.random.key(1))
+    step, restored, _ = Checkpointer(str(tmp_path), save_every=1).restore_latest(abstract)
+    assert step == 3
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract)):
+      assert got.sharding == want.sharding
+    for got, want in zip(jax.tree.leaves(reader.params(restored)), jax.tree.leaves(writer.params(state))):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ---- errors ------------------------------------------------------------------------------------------------------
+
+def test_mesh_that_does_not_divide_the_devices_is_refused():
+  with pytest.raises(ValueError, match="6 devices, which does not divide the 8 devices"):
+    make_mesh("data:3,fsdp:2")
+  with pytest.raises(ValueError, match="axis:size"):
+    parse_mesh("data=2")
+  assert parse_mesh("fsdp:4") == {"data": 1, "fsdp": 4}
+
+
+def test_batch_not_divisible_over_the_devices_is_refused_before_anything_moves():
+  engine = Engine(tiny_model(), optax.sgd(1.0), EngineConfig(sub_batches=2), placement(2, 2))
+  state = engine.init(jax.random.key(0))
+  before = dict(engine.place.moved)
+  with pytest.raises(ValueError, match="batch of 12 rows is not divisible by 2 sub-batches x 4 devices"):
+    engine.step(state, make_batch(np.random.default_rng(0), 12))
+  assert engine.place.moved == before
+
+
+def test_unreachable_coordinator_times_out_with_a_message():
+  start = time.monotonic()
+  with pytest.raises(TimeoutError, match=r"coordinator 127.0.0.1:\d+ could not be reached within 1 s"):
+    initialize_distributed(f"127.0.0.1:{_free_port()}", num_processes=2, process_id=1, timeout_s=1)
+  assert time.monotonic() - start < 10
+
+
+# ---- several processes -------------------------------------------------------------------------------------------
+
+WORKER_DEVICES = 2
+
+
+def _worker_engine(place):
+  model = tiny_model()
+  engine = Engine(model, optax.adamw(1e-2), EngineConfig(sub_batches=2, live_layers=1), place)
+  rng = np.random.default_rng(0)
+  return engine, [make_batch(rng, 16) for _ in range(2)]
+
+
+def _losses(engine, batches):
+  state, losses = engine.init(jax.random.key(0)), []
+  for batch in batches:
+    state, loss = engine.step(state, batch)
+    losses.append(float(loss))
+  return losses
+
+
+def test_two_processes_train_like_one(tmp_path):
+  """Two processes of 2 CPU devices each (mesh data 2 x fsdp 2: fsdp within a process, data across) run two steps;
+  their losses equal one process's on a 2 x 2 mesh."""
+  address = f"127.0.0.1:{_free_port()}"
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={WORKER_DEVICES}", JAX_PLATFORMS="cpu")
+  workers = [subprocess.Popen([sys.executable, __file__, address, str(i), str(tmp_path / f"{i}.json")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  want = _losses(*_worker_engine(placement(2, WORKER_DEVICES)))
+  for worker in workers:
+    output, _ = worker.communicate(timeout=240)
+    assert worker.returncode == 0, output[-3000:]
+  for i in range(2):
+    result = json.loads((tmp_path / f"{i}.json").read_text())
+    assert result["mesh"] == {"data": 2, "fsdp": WORKER_DEVICES}
+    np.testing.assert_allclose(result["losses"], want, rtol=1e-5)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _worker(address: str, process_id: int, out: str):
+  initialize_distributed(address, num_processes=2, process_id=process_id, timeout_s=60)
+  place = Placement(make_mesh({"data": 2, "fsdp": WORKER_DEVICES}))
+  losses = _losses(*_worker_engine(place))
+  with open(out, "w") as f:
+    json.dump({"mesh": dict(place.mesh.shape), "losses": losses}, f)
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3])

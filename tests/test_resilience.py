@@ -1,0 +1,213 @@
+"""What a run survives: SIGKILL and resume, SIGTERM / SIGINT, non-finite steps, broken or foreign checkpoints."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from etils import epath
+
+import train
+from sljax import trainer
+from sljax.data import make_source
+from test_train import REPO, TINY, train_in_process
+
+ENGINES = {"device": ["--engine=device"], "offload": ["--engine=offload", "--sub_batches=2", "--live_layers=1"]}
+STEPS = 24
+
+
+def command(workdir, engine: str) -> list[str]:
+  return [sys.executable, "train.py", f"--workdir={workdir}", *TINY, f"--steps={STEPS}", "--checkpoint_every=3",
+          f"--loss_log={workdir}.jsonl", *ENGINES[engine]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Starts train.py processes that share one compilation cache (the first run of each command compiles for all),
+  their stderr appended to <workdir>.stderr."""
+  cache = tmp_path_factory.mktemp("jax_cache")
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+  def run(workdir, engine: str) -> subprocess.Popen:
+    with open(f"{workdir}.stderr", "a") as stderr:
+      return subprocess.Popen(command(workdir, engine), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+
+  return run
+
+
+def errors(workdir) -> str:
+  with open(f"{workdir}.stderr") as f:
+    return f.read()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(runs, tmp_path_factory) -> dict[str, str]:
+  """Workdir of an uninterrupted run of `command` for each engine, run side by side (2 cores)."""
+  workdirs = {engine: tmp_path_factory.mktemp(engine) / "run" for engine in ENGINES}
+  processes = [runs(workdir, engine) for engine, workdir in workdirs.items()]
+  for workdir, process in zip(workdirs.values(), processes):
+    assert process.wait() == 0, errors(workdir)
+  return workdirs
+
+
+def logged(workdir) -> list[tuple[int, float]]:
+  """(step, loss) of every line the runs in `workdir` logged, resumed runs' repeats included."""
+  if not os.path.exists(f"{workdir}.jsonl"):
+    return []
+  with open(f"{workdir}.jsonl") as f:
+    return [(line["step"], line["loss"]) for line in map(json.loads, f)]
+
+
+def wait_for_step(process: subprocess.Popen, workdir, step: int, lines_before: int):
+  """Returns once `process` has logged `step` (or a later one)."""
+  while not any(n >= step for n, _ in logged(workdir)[lines_before:]):
+    assert process.poll() is None, f"the run ended before step {step}:\n{errors(workdir)}"
+    time.sleep(0.005)
+
+
+@pytest.mark.parametrize("engine, stop", [("device", signal.SIGTERM), ("offload", signal.SIGINT)],
+                         ids=["device-SIGTERM", "offload-SIGINT"])
+def test_killed_and_stopped_runs_resume_with_the_losses_of_an_uninterrupted_run(tmp_path, runs, uninterrupted,
+                                                                                engine, stop):
+  expected = dict(logged(uninterrupted[engine]))
+  assert sorted(expected) == list(range(1, STEPS + 1))
+  workdir = tmp_path / "run"
+
+  kill_at = random.randint(2, STEPS // 3)
+  killed = runs(workdir, engine)
+  wait_for_step(killed, workdir, kill_at, 0)
+  killed.kill()
+  assert killed.wait() == -signal.SIGKILL
+
+  stop_at = random.randint(STEPS // 3 + 2, STEPS // 2)
+  lines_before = len(logged(workdir))
+  stopped = runs(workdir, engine)
+  wait_for_step(stopped, workdir, stop_at, lines_before)
+  stopped.send_signal(stop)
+  assert stopped.wait() == 0, errors(workdir)
+  last = logged(workdir)[-1][0]
+  saved = os.path.join(workdir, "checkpoints", str(last))
+  assert f"{stop.name}: stopped after step {last}; saved {saved}; the same command resumes" in errors(workdir)
+  assert os.path.isdir(saved) and last < STEPS
+
+  resumed = runs(workdir, engine)
+  assert resumed.wait() == 0, errors(workdir)
+  losses = logged(workdir)
+  assert {n for n, _ in losses} == set(expected), f"killed after step {kill_at}, stopped after step {last}"
+  for n, loss in losses:  # every run's lines, the steps that resumed runs repeated included
+    np.testing.assert_allclose(loss, expected[n], rtol=1e-6, err_msg=f"step {n}, killed after step {kill_at}")
+
+
+def test_stop_signal_is_caught_once_then_acts_as_before():
+  with trainer.StopSignal() as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.received == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice still interrupts
+      os.kill(os.getpid(), signal.SIGINT)
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def copy_run(source, workdir) -> str:
+  """A copy of a finished run's workdir; returns its newest checkpoint's directory."""
+  shutil.copytree(source, workdir)
+  newest = max(int(name) for name in os.listdir(workdir / "checkpoints"))
+  return str(workdir / "checkpoints" / str(newest))
+
+
+def test_corrupt_checkpoint_fails_with_one_line_naming_it(tmp_path, uninterrupted):
+  newest = copy_run(uninterrupted["device"], tmp_path / "run")
+  with open(os.path.join(newest, "state", "_METADATA"), "r+b") as f:
+    f.truncate(100)
+  with pytest.raises(SystemExit) as error:
+    train_in_process(tmp_path / "run", f"--steps={2 * STEPS}", "--checkpoint_every=3", *ENGINES["device"])
+  assert str(error.value).startswith(f"sljax: checkpoint {newest} cannot be read (")
+  assert str(error.value).endswith("); delete it to resume from the one before") and "\n" not in str(error.value)
+
+
+def test_checkpoint_of_another_model_fails_with_one_line_naming_it(tmp_path, uninterrupted):
+  newest = copy_run(uninterrupted["device"], tmp_path / "run")
+  with pytest.raises(SystemExit) as error:
+    train_in_process(tmp_path / "run", f"--steps={2 * STEPS}", "--checkpoint_every=3", "--set=num_layers=3")
+  assert str(error.value).startswith(f"sljax: checkpoint {newest} holds another training state than this run's: ")
+  assert str(error.value).endswith("; use another --workdir") and "\n" not in str(error.value)
+
+
+def saved_states(workdir) -> dict[int, list[np.ndarray]]:
+  """Every checkpoint's training state, as numpy arrays, by step."""
+  states = {}
+  for name in os.listdir(workdir / "checkpoints"):
+    path = epath.Path(workdir / "checkpoints" / name / "state")
+    tree = ocp.PyTreeCheckpointHandler().metadata(path).tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    states[int(name)] = jax.tree.leaves(ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+        restore_args=as_numpy)))
+  return states
+
+
+class BadBatches:
+  """A data source whose batches for `steps` (1-based, as the trainer counts them) make the loss NaN."""
+
+  def __init__(self, source, steps: set[int]):
+    self.source, self.cfg, self.steps = source, source.cfg, steps
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    batch = self.source.batch(step)
+    return dict(batch, weights=batch["weights"] * np.nan) if step + 1 in self.steps else batch
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bad_steps_are_skipped_never_saved_and_stop_the_run_when_in_a_row(tmp_path, monkeypatch, engine):
+  monkeypatch.setattr(train, "make_source", lambda *args: BadBatches(make_source(*args), {3, 5, 6, 7}))
+  with pytest.raises(SystemExit) as stopped:
+    train_in_process(tmp_path / "run", "--steps=10", "--checkpoint_every=1", "--keep_checkpoints=10",
+                     "--stop_after_bad_steps=3", f"--loss_log={tmp_path}/losses.jsonl", *ENGINES[engine])
+  checkpoints = tmp_path / "run" / "checkpoints"
+  assert str(stopped.value) == (f"sljax: steps 5-7, 3 in a row, had a non-finite loss or gradient: stopped (newest "
+                                f"checkpoint, with none of their updates: {checkpoints / '6'})")
+  with open(tmp_path / "losses.jsonl") as f:
+    losses = {line["step"]: line["loss"] for line in map(json.loads, f)}
+  assert sorted(losses) == list(range(1, 8))
+  assert [n for n, loss in losses.items() if not np.isfinite(loss)] == [3, 5, 6, 7]
+
+  states = saved_states(tmp_path / "run")
+  assert sorted(states) == [1, 2, 3, 4, 5, 6]
+  assert all(np.isfinite(x).all() for state in states.values() for x in state)
+  for before, after in [(2, 3), (4, 5), (5, 6)]:  # a skipped step leaves the state as it was
+    for x, y in zip(states[before], states[after], strict=True):
+      np.testing.assert_array_equal(x, y)
+  assert not all(np.array_equal(x, y) for x, y in zip(states[3], states[4]))
+  with open(checkpoints / "6" / "meta" / "metadata") as f:
+    assert json.load(f)["skipped_steps"] == [3, 5, 6]
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_is_a_bad_step_too():
+  # d sqrt(w) / dw at w = 0 is infinite while sqrt(0) is 0.
+  model = SimpleNamespace(init=lambda key: {"w": jnp.zeros(3)}, loss=lambda params, batch: jnp.sqrt(params["w"]).sum())
+  engine = trainer.all_on_device(model, optax.adam(0.1))
+  state = engine.init(jax.random.key(0))
+  before = jax.tree.map(np.asarray, state)
+  state, loss = engine.step(state, {})
+  assert np.isnan(loss)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state), before)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_a_read_only_workdir_is_refused_before_anything_is_written(tmp_path):
+  tmp_path.chmod(0o500)
+  try:
+    with pytest.raises(ValueError, match=f"workdir {tmp_path / 'run'} is not writable: {tmp_path} is read-only here"):
+      trainer.check_workdir(str(tmp_path / "run"))
+  finally:
+    tmp_path.chmod(0o700)
