@@ -261,19 +261,25 @@ class Engine:
       # The update's state is queued behind the first sub-batch's work, so it never delays a sub-batch's inputs.
       incoming = incoming or self._fetch_state(groups[last])
     del level
-    self._finish_group(last, incoming, self.place.reduce(grads), new_groups, parked)  # the group's one reduce
+    finished = (last, incoming, self.place.reduce(grads))  # the group's one reduce; its update is issued below
 
     # Backward through the other groups in reverse, recomputing each group's forward inside its vjp. The gradient
     # flowing between groups stays on the device; only the stashed inputs come back.
     for g in range(last - 1, -1, -1):
       w = next(weight_stream)
-      grads, dxs, incoming = self._zeros(w), [], None
+      grads, dxs = self._zeros(w), []
       for x, dy in zip(self._prefetch(boundaries.pop()), cotangents):
         dx, grads = self._backward(w, x, dy, grads)
         dxs.append(dx)
-        incoming = incoming or self._fetch_state(groups[g])
+        if finished[0] != g:
+          # The group after this one is updated only now: its state leaves the device behind this group's first
+          # inputs, and this group's state comes in behind them. The copy streams carry both directions, and an H200
+          # trace showed each group's inputs waiting behind the previous group's outgoing state when issued earlier.
+          self._finish_group(*finished, new_groups, parked)
+          finished = (g, self._fetch_state(groups[g]), None)
       cotangents = dxs
-      self._finish_group(g, incoming, self.place.reduce(grads), new_groups, parked)  # the group's one reduce
+      finished = (g, finished[1], self.place.reduce(grads))  # the group's one reduce
+    self._finish_group(*finished, new_groups, parked)
 
     for s, dh in enumerate(cotangents):
       outer_grads = self._embed_backward(outer, tokens[s], dh, outer_grads)
