@@ -67,6 +67,7 @@ flags.DEFINE_enum("engine", "auto", ["auto", "device", "offload"],
                   "the training state fits on the device, else offload).")
 flags.DEFINE_integer("sub_batches", 0, "Offload engine: sub-batches per step (0: the plan chooses).")
 flags.DEFINE_integer("live_layers", 0, "Offload engine: layers per group fetched to the device at once (0: plan).")
+flags.DEFINE_bool("int8_exchange", False, "Offload engine: stash hidden states in host memory as int8 rows (inexact).")
 flags.DEFINE_string("mesh", "", "Devices as data:D,fsdp:F, D x F dividing the device count (default: fsdp over "
                     "each host's devices, data parallel across hosts).")
 flags.DEFINE_string("coordinator_address", "", "Several hosts: process 0's host:port, the same on every host "
@@ -134,7 +135,7 @@ def choose_engine(model_cfg, data_cfg, optim_cfg, devices: int = 1) -> tuple:
   plan = make_plan(build(model_cfg), data_cfg.seq_len, data_cfg.batch_size // devices, budget, FLAGS.sub_batches,
                    FLAGS.live_layers, jax.numpy.dtype(optim_cfg.moments_dtype).itemsize, optim_cfg.grad_clip_norm)
   print(f"plan for {FLAGS.model}, batch {data_cfg.batch_size} x {data_cfg.seq_len}:\n{plan.describe()}")
-  return model_cfg, plan.engine
+  return model_cfg, dataclasses.replace(plan.engine, int8_exchange=FLAGS.int8_exchange)
 
 
 def run() -> dict[int, float]:

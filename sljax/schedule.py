@@ -33,6 +33,7 @@ devices. PCIe traffic per device is the single-device schedule's, for its shards
 
 import collections
 import dataclasses
+import functools
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -49,7 +50,8 @@ class EngineConfig:
   sub_batches: int = 1  # N: the effective batch is split into N sub-batches that share each weight fetch
   live_layers: int = 1  # layers per group: the weights on the device at once (twice that while prefetching)
   grad_clip_norm: float = 0.0  # > 0: clip by the global norm over all params (exact: updates wait for all grads)
-  activations_on_host: bool = True  # stash group-boundary hidden states and their grads in pinned host memory
+  activations_on_host: bool = True  # stash group-boundary hidden states in pinned host memory for the backward pass
+  int8_exchange: bool = False  # stash them as int8 with one scale per row: half the bytes of bf16, not exact
   device_state_groups: int = 0  # groups (counted from the last) whose master weights + optimizer state stay on device
 
 
@@ -59,6 +61,17 @@ RETIRE_LAG = 4
 
 def _add(acc, grads):
   return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+
+
+def quantize_rows(x):
+  """int8 with one fp32 scale per row (last axis): |dequantize_rows(*quantize_rows(x)) - x| <= max|row| / 254."""
+  scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) / 127.0
+  q = jnp.round(x.astype(jnp.float32) / jnp.where(scale > 0, scale, 1.0))
+  return q.astype(jnp.int8), scale
+
+
+def dequantize_rows(q, scale, dtype):
+  return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
 def _clip(grads, norm, max_norm):
@@ -94,6 +107,8 @@ class Engine:
                              donate=(2, 6, 7))
     self._backward = local(self._backward_fn, (whole, rows, rows, rows), rows, donate=(1, 3))
     self._embed_backward = local(self._embed_backward_fn, (whole, rows, rows, rows), rows, donate=(3,))
+    self._quantize = local(quantize_rows, (rows,), (rows, rows))
+    self._dequantize = local(functools.partial(dequantize_rows, dtype=self.compute_dtype), (rows, rows), rows)
     self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))  # elementwise: runs on the shards
     # Gradient accumulators: fp32 whatever the compute dtype, a slot per device (leading axis) so that no sub-batch
     # call communicates; placed like the step's outputs so nothing recompiles.
@@ -208,11 +223,20 @@ class Engine:
   # ---- transfers -----------------------------------------------------------------------------------------------
 
   def _stash(self, x):
-    return self.place.to_host(x) if self.cfg.activations_on_host else x
+    """Keeps a group's input for the backward pass: in pinned host memory (as int8 rows if asked) or on device."""
+    if not self.cfg.activations_on_host:
+      return x
+    return self.place.to_host(self._quantize(x) if self.cfg.int8_exchange else x)
+
+  def _unstash(self, stashed):
+    if not self.cfg.activations_on_host:
+      return stashed
+    moved = self.place.to_device(stashed)
+    return self._dequantize(*moved) if self.cfg.int8_exchange else moved
 
   def _prefetch(self, items: Sequence, fetch: Callable | None = None) -> Iterator:
     """Yields fetch(item) for each item, issuing the next item's fetch before the current one is used."""
-    fetch = fetch or (self.place.to_device if self.cfg.activations_on_host else (lambda x: x))
+    fetch = fetch or self._unstash
     if not items:
       return
     upcoming = fetch(items[0])
