@@ -21,7 +21,6 @@ from sljax.data import DataConfig, make_source
 from sljax.mesh import check_batch, initialize_distributed, make_mesh
 from sljax.optim import OptimConfig
 from sljax.plan import GIB, Budget, default_budget, make_plan
-from sljax.schedule import EngineConfig
 from sljax.trainer import RunConfig
 
 DEFAULT_MODEL = "llama-tiny"

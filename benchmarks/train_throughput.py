@@ -39,8 +39,8 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models.presets import build, get_config  # noqa: E402
 from sljax import plan as planner  # noqa: E402
-from sljax.memory import HOST, Placement  # noqa: E402
-from sljax.schedule import Engine, EngineConfig  # noqa: E402
+from sljax.memory import Placement  # noqa: E402
+from sljax.schedule import Engine  # noqa: E402
 
 flags.DEFINE_string("out", "", "Write the results JSON here.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes: checks every code path on any machine in a minute.")

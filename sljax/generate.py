@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import itertools
 import time
-from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ import numpy as np
 
 from models.common import cache_positions
 from models.config import ModelConfig
-from sljax.memory import Placement
+from sljax.memory import Placement, prefetch
 from sljax.plan import GIB, default_budget
 
 IN_FLIGHT = 2  # group calls the host may dispatch ahead of the device; more would hold more copies on the device
@@ -118,19 +118,6 @@ def _last_logits(model, outer, hs):
   """fp32 logits at the last position of every row of every sub-batch: [B, V]."""
   h_Bx1xD = jnp.concatenate([h_bxSxD[:, -1:] for h_bxSxD in hs])
   return model.logits(outer, h_Bx1xD)[:, 0].astype(jnp.float32)
-
-
-def prefetch(items: Iterable, fetch: Callable) -> Iterator:
-  """Yields fetch(item) for each item, issuing the next item's fetch before the current one is used."""
-  items = iter(items)
-  try:
-    upcoming = fetch(next(items))
-  except StopIteration:
-    return
-  for item in items:
-    current, upcoming = upcoming, fetch(item)
-    yield current
-  yield upcoming
 
 
 # ---- the loop both generators share -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ summed over all devices:
 
 import dataclasses
 import functools
+from typing import Callable, Iterable, Iterator
 
 import jax
 import numpy as np
@@ -174,3 +175,16 @@ def _bytes_on_devices(x, sharding: NamedSharding) -> int:
 
 def tree_bytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def prefetch(items: Iterable, fetch: Callable) -> Iterator:
+  """Yields fetch(item) for each item, issuing the next item's fetch before the current one is used."""
+  items = iter(items)
+  try:
+    upcoming = fetch(next(items))
+  except StopIteration:
+    return
+  for item in items:
+    current, upcoming = upcoming, fetch(item)
+    yield current
+  yield upcoming

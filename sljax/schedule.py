@@ -34,14 +34,12 @@ devices. PCIe traffic per device is the single-device schedule's, for its shards
 import collections
 import dataclasses
 import functools
-from typing import Callable, Iterator, Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sljax.memory import DEVICE, HOST, Placement
+from sljax.memory import DEVICE, HOST, Placement, prefetch
 from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 
 
@@ -234,18 +232,6 @@ class Engine:
     moved = self.place.to_device(stashed)
     return self._dequantize(*moved) if self.cfg.int8_exchange else moved
 
-  def _prefetch(self, items: Sequence, fetch: Callable | None = None) -> Iterator:
-    """Yields fetch(item) for each item, issuing the next item's fetch before the current one is used."""
-    fetch = fetch or self._unstash
-    if not items:
-      return
-    upcoming = fetch(items[0])
-    for i in range(len(items)):
-      current = upcoming
-      if i + 1 < len(items):
-        upcoming = fetch(items[i + 1])
-      yield current
-
   # ---- the step ------------------------------------------------------------------------------------------------
 
   def step(self, state: dict, batch: dict) -> tuple[dict, jax.Array]:
@@ -261,7 +247,7 @@ class Engine:
     last = len(groups) - 1
     # Each group's weights cross to the device once forward, once backward; the last group's stay for both.
     order = list(range(last + 1)) + list(range(last - 1, -1, -1))
-    weight_stream = self._prefetch([groups[g] for g in order], self._fetch_weights)
+    weight_stream = prefetch([groups[g] for g in order], self._fetch_weights)
 
     # Forward, layer-major. `level` holds the current group's input for every sub-batch on the device; a copy of
     # it is stashed (boundaries[g]) for the backward pass while the group computes.
@@ -292,7 +278,7 @@ class Engine:
     for g in range(last - 1, -1, -1):
       w = next(weight_stream)
       grads, dxs = self._zeros(w), []
-      for x, dy in zip(self._prefetch(boundaries.pop()), cotangents):
+      for x, dy in zip(prefetch(boundaries.pop(), self._unstash), cotangents):
         dx, grads = self._backward(w, x, dy, grads)
         dxs.append(dx)
         if finished[0] != g:
