@@ -11,7 +11,7 @@ One step, top to bottom (see `Engine.step`):
   embedding backward per sub-batch; update the embeddings and head
 
 The loop is plain Python that dispatches jitted calls asynchronously; every transfer is issued ahead of its use
-(`_prefetch`), so copies run while the previous item computes. Nothing in it waits for the device.
+(`sljax.memory.prefetch`), so copies run while the previous item computes. Nothing in it waits for the device.
 
 Over a mesh (sljax.mesh: axes data x fsdp, d x f = n devices) every sub-batch is split over all n devices, and each
 group's weights, master weights and optimizer state are split over fsdp (each device's pinned host memory holds its
@@ -34,6 +34,7 @@ devices. PCIe traffic per device is the single-device schedule's, for its shards
 import collections
 import dataclasses
 import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -271,25 +272,25 @@ class Engine:
       # The update's state is queued behind the first sub-batch's work, so it never delays a sub-batch's inputs.
       incoming = incoming or self._fetch_state(groups[last])
     del level
-    finished = (last, incoming, self.place.reduce(grads))  # the group's one reduce; its update is issued below
+    pending = (last, incoming, self.place.reduce(grads))  # the group's one reduce; its update is issued below
 
     # Backward through the other groups in reverse, recomputing each group's forward inside its vjp. The gradient
     # flowing between groups stays on the device; only the stashed inputs come back.
     for g in range(last - 1, -1, -1):
       w = next(weight_stream)
-      grads, dxs = self._zeros(w), []
+      grads, dxs, incoming = self._zeros(w), [], None
       for x, dy in zip(prefetch(boundaries.pop(), self._unstash), cotangents):
         dx, grads = self._backward(w, x, dy, grads)
         dxs.append(dx)
-        if finished[0] != g:
-          # The group after this one is updated only now: its state leaves the device behind this group's first
-          # inputs, and this group's state comes in behind them. The copy streams carry both directions, and an H200
-          # trace showed each group's inputs waiting behind the previous group's outgoing state when issued earlier.
-          self._finish_group(*finished, new_groups, parked)
-          finished = (g, self._fetch_state(groups[g]), None)
+        if pending:
+          # The group after this one is updated only now, so its state leaves the device behind this group's first
+          # inputs, and this group's state comes in behind them: the copy streams carry both directions, and an
+          # H200 trace showed each group's inputs waiting behind the previous group's outgoing state otherwise.
+          self._finish_group(*pending, new_groups, parked)
+          pending, incoming = None, self._fetch_state(groups[g])
       cotangents = dxs
-      finished = (g, finished[1], self.place.reduce(grads))  # the group's one reduce
-    self._finish_group(*finished, new_groups, parked)
+      pending = (g, incoming, self.place.reduce(grads))  # the group's one reduce
+    self._finish_group(*pending, new_groups, parked)
 
     for s, dh in enumerate(cotangents):
       outer_grads = self._embed_backward(outer, tokens[s], dh, outer_grads)
@@ -317,9 +318,8 @@ class Engine:
 
   def _retire(self, tree):
     """Frees replaced pinned host buffers RETIRE_LAG retirements after their last copy was issued. A step consumes
-    its input state (as donation does on the device), so host state is never held twice; the lag matters because
-    freeing a buffer whose copy is still in flight blocks the dispatching thread until the copy ends, which stalls
-    the GPU (seen in an H200 trace as an idle gap per group)."""
+    its input state (as donation does on the device), so host state is never held twice (on the H200, holding it
+    twice overflowed XLA's pinned pool for llama13b); the lag keeps each free clear of copies still in flight."""
     self._retired.append([x for x in jax.tree.leaves(tree) if x.sharding.memory_kind == HOST])
     while len(self._retired) > RETIRE_LAG:
       for x in self._retired.popleft():
