@@ -10,6 +10,13 @@
 # DS_BUILD_OPS=0: no op is compiled at install time; DeepSpeedCPUAdam builds itself on first use (a plain C++
 # extension through torch.utils.cpp_extension + ninja + g++ -fopenmp; no nvcc), which needs Python.h.
 #
+# Fill .dsdeps on a machine with PyPI access (it is not in git; a new checkout has none):
+#   pip download --no-deps --no-binary=:all: -d .dsdeps deepspeed==0.19.8
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .dsdeps \
+#     hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+#     typing-extensions==4.16.0 setuptools wheel
+#
 # Usage (from the repo root):   bash benchmarks/baselines/install_deepspeed.sh [extra pip args...]
 #   PYTHON=...    interpreter to install into (default: python3; on the GPU machine /opt/torch/.venv/bin/python3)
 #   DSDEPS=...    folder with the sdist and wheels (default: .dsdeps next to this repo's root)
