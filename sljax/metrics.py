@@ -31,18 +31,23 @@ def progress_description(loss: float, tokens_per_s: float, utilization: float | 
 class Logger:
   """Scalars per step into TensorBoard event files under `workdir/tb`."""
 
-  def __init__(self, workdir: str):
-    from tensorboardX import SummaryWriter  # here, not at the top: it imports torch when present, >1 s
+  def __init__(self, workdir: str, enabled: bool = True):
+    """`enabled=False` (every process but the first, on several hosts) writes nothing."""
+    self.writer = None
+    if enabled:
+      from tensorboardX import SummaryWriter  # here, not at the top: it imports torch when present, >1 s
 
-    self.writer = SummaryWriter(os.path.join(workdir, "tb"))
+      self.writer = SummaryWriter(os.path.join(workdir, "tb"))
 
   def scalars(self, step: int, values: dict[str, float | None]):
     for name, value in values.items():
-      if value is not None:
+      if value is not None and self.writer:
         self.writer.add_scalar(name, value, step)
 
   def flush(self):
-    self.writer.flush()
+    if self.writer:
+      self.writer.flush()
 
   def close(self):
-    self.writer.close()
+    if self.writer:
+      self.writer.close()

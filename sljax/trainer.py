@@ -211,8 +211,9 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
     checkpointer.close()
     return {}
 
-  logger = metrics.Logger(run_cfg.workdir)
-  loss_log = open(run_cfg.loss_log, "a") if run_cfg.loss_log else None
+  lead = jax.process_index() == 0  # on several hosts, only the first one logs
+  logger = metrics.Logger(run_cfg.workdir, enabled=lead)
+  loss_log = open(run_cfg.loss_log, "a") if run_cfg.loss_log and lead else None
   schedule = learning_rate_schedule(optim_cfg)
   tokens_per_step = source.cfg.batch_size * source.cfg.seq_len
   flops_per_token = model_cfg.flops_per_token(source.cfg.seq_len)
@@ -221,7 +222,7 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
   history, pending = {}, []
   window_start, window_steps = time.perf_counter(), 0
   step = start
-  progress = tqdm(initial=start, total=run_cfg.steps, unit="step")
+  progress = tqdm(initial=start, total=run_cfg.steps, unit="step", disable=not lead)
 
   def save(force: bool = False):
     checkpointer.save(step, state, {**meta, "data_step": step, "skipped_steps": sorted(skipped)}, force)
