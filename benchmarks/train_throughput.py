@@ -153,11 +153,11 @@ def per_micro_batch_step(engine: Engine, micro_batches: int):
       for g in range(len(groups) - 2, -1, -1):
         dx, grads[g] = engine._backward(next(stream), xs[g], dx, grads[g])
       outer_grads = engine._embed_backward(outer, tokens, dx, outer_grads)
-    zero = jnp.zeros((), jnp.float32)
-    new_groups = [engine._apply(g, place.to_device((group["master"], group["opt"])), place.reduce(grads[g]), zero)
+    zero, ok = jnp.zeros((), jnp.float32), jnp.ones((), bool)
+    new_groups = [engine._apply(g, place.to_device((group["master"], group["opt"])), place.reduce(grads[g]), zero, ok)
                   for g, group in enumerate(groups)]
     outer_grads, loss = place.reduce((outer_grads, sum(losses)), sharded=False)  # per-device slots -> sums
-    new_outer, new_opt = engine._update(outer, state["outer_opt"], outer_grads, zero)
+    new_outer, new_opt = engine._update(outer, state["outer_opt"], outer_grads, zero, ok)
     return {"step": state["step"] + 1, "outer": new_outer, "outer_opt": new_opt, "groups": new_groups}, loss
   return step
 

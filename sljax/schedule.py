@@ -148,11 +148,13 @@ class Engine:
     _, vjp = jax.vjp(lambda o: self.model.embed(o, tokens), outer)
     return _add(outer_grads, vjp(dh)[0])
 
-  def _update_fn(self, master, opt_state, grads, norm):
+  def _update_fn(self, master, opt_state, grads, norm, ok):
+    """The optimizer's update, or (ok false: a non-finite step) the state unchanged."""
     if self.cfg.grad_clip_norm > 0:
       grads = _clip(grads, norm, self.cfg.grad_clip_norm)
-    updates, opt_state = self.optimizer.update(grads, opt_state, master)
-    return optax.apply_updates(master, updates), opt_state
+    updates, new_opt_state = self.optimizer.update(grads, opt_state, master)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    return keep(optax.apply_updates(master, updates), master), keep(new_opt_state, opt_state)
 
   def _cast_fn(self, tree):
     return jax.tree.map(lambda x: x.astype(self.compute_dtype), tree)
@@ -272,6 +274,10 @@ class Engine:
       # The update's state is queued behind the first sub-batch's work, so it never delays a sub-batch's inputs.
       incoming = incoming or self._fetch_state(groups[last])
     del level
+    # The loss is known before any update: a non-finite step changes nothing (with clipping, nor does a non-finite
+    # gradient, since every update then waits for the global norm).
+    loss = self.place.reduce(sum(losses), sharded=False)
+    ok = jnp.isfinite(loss)
     pending = (last, incoming, self.place.reduce(grads))  # the group's one reduce; its update is issued below
 
     # Backward through the other groups in reverse, recomputing each group's forward inside its vjp. The gradient
@@ -286,24 +292,26 @@ class Engine:
           # The group after this one is updated only now, so its state leaves the device behind this group's first
           # inputs, and this group's state comes in behind them: the copy streams carry both directions, and an
           # H200 trace showed each group's inputs waiting behind the previous group's outgoing state otherwise.
-          self._finish_group(*pending, new_groups, parked)
+          self._finish_group(*pending, ok, new_groups, parked)
           pending, incoming = None, self._fetch_state(groups[g])
       cotangents = dxs
       pending = (g, incoming, self.place.reduce(grads))  # the group's one reduce
-    self._finish_group(*pending, new_groups, parked)
+    self._finish_group(*pending, ok, new_groups, parked)
 
     for s, dh in enumerate(cotangents):
       outer_grads = self._embed_backward(outer, tokens[s], dh, outer_grads)
-    outer_grads, loss = self.place.reduce((outer_grads, sum(losses)), sharded=False)  # one all-reduce for both
+    outer_grads = self.place.reduce(outer_grads, sharded=False)
 
     norm = jnp.zeros((), jnp.float32)
     if parked:  # clipping: every gradient is known only now, so the parked updates run here
       norm = jnp.sqrt(sum(sq for *_, sq in parked) + self._sq_norm(outer_grads))
+      ok = ok & jnp.isfinite(norm)
       for g, incoming, grads, _ in parked:
-        new_groups[g] = self._apply(g, self._take(incoming), self._take(grads), norm)
-    new_outer, new_outer_opt = self._update(outer, state["outer_opt"], outer_grads, norm)
-    new_state = {"step": state["step"] + 1, "outer": new_outer, "outer_opt": new_outer_opt, "groups": new_groups}
-    return new_state, loss
+        new_groups[g] = self._apply(g, self._take(incoming), self._take(grads), norm, ok)
+    new_outer, new_outer_opt = self._update(outer, state["outer_opt"], outer_grads, norm, ok)
+    new_state = {"step": state["step"] + ok.astype(jnp.int32), "outer": new_outer, "outer_opt": new_outer_opt,
+                 "groups": new_groups}
+    return new_state, jnp.where(ok, loss, jnp.nan)  # NaN tells the caller this step was skipped
 
   def _fetch_state(self, group: dict):
     """Starts bringing a group's master weights and optimizer state to the device, ahead of its update."""
@@ -325,15 +333,15 @@ class Engine:
       for x in self._retired.popleft():
         x.delete()
 
-  def _finish_group(self, g: int, incoming, grads, new_groups: list, parked: list):
+  def _finish_group(self, g: int, incoming, grads, ok, new_groups: list, parked: list):
     """Updates group g now that its gradient is complete, or (clipping) parks it until the global norm is known."""
     self._retire(new_groups[g].get("weights"))  # the old compute copy: its last fetch (for backward) is issued
     if self.cfg.grad_clip_norm > 0:
       stashed = grads if self.state_on_device[g] else self.place.to_host(grads)  # keeps the shards' layout
       parked.append((g, incoming, stashed, self._sq_norm(grads)))
     else:
-      new_groups[g] = self._apply(g, incoming, grads, jnp.zeros((), jnp.float32))
+      new_groups[g] = self._apply(g, incoming, grads, jnp.zeros((), jnp.float32), ok)
 
-  def _apply(self, g: int, incoming, grads, norm) -> dict:
+  def _apply(self, g: int, incoming, grads, norm, ok) -> dict:
     master, opt_state = incoming
-    return self._make_group(g, *self._update(master, opt_state, grads, norm))
+    return self._make_group(g, *self._update(master, opt_state, grads, norm, ok))

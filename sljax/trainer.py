@@ -102,8 +102,9 @@ def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
   engine = schedule.Engine(model, make_optimizer(optim_cfg, clip=False),
                            dataclasses.replace(engine_cfg, grad_clip_norm=optim_cfg.grad_clip_norm),
                            None if mesh is None else Placement(mesh))
-  # Its updates stream out group by group as the backward reaches them, before the loss can be checked.
-  return Engine(engine.init, engine.step, engine.abstract_state, skips_bad_steps=False)
+  # A non-finite loss leaves its state unchanged; a non-finite gradient too when clipping (the updates then wait for
+  # the global norm). Without clipping, updates stream out before the whole gradient is known: rewind instead.
+  return Engine(engine.init, engine.step, engine.abstract_state, skips_bad_steps=optim_cfg.grad_clip_norm > 0)
 
 
 def training_state_bytes(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> int:
