@@ -51,6 +51,8 @@ flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).")
 flags.DEFINE_string("fits_model", "llama7b", "Preset of the model that fits.")
 flags.DEFINE_multi_string("fits_set", ["num_layers=8"], "Overrides of the model that fits.")
+flags.DEFINE_list("fits_cases", "device,engine,streamed,per_micro_batch,in_jit_scan", "Which cases of the model that "
+                  "fits to run.")
 flags.DEFINE_string("trace_dir", "", "Write a jax.profiler (perfetto) trace of one step of --trace_case here.")
 flags.DEFINE_string("trace_case", "fits/streamed", "Case whose step is traced.")
 flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan may use (below XLA's pinned pool limit).")
@@ -191,28 +193,35 @@ def in_jit_scan_step(model, optimizer, place: Placement):
 
 def fits_cases(model, optimizer, rows, seq, steps, key):
   batch = batch_of(rows, seq, model.cfg.vocab_size)
-  device_model = build(dataclasses.replace(model.cfg, remat=True))
-  params = device_model.init(key)
-  state = {"params": params, "opt": optimizer.init(params)}
-  seconds, times, losses, state = timed(all_on_device_step(device_model, optimizer), state, batch, steps)
-  keep(record("fits/device", model.cfg, rows, seq, seconds, times, losses, 1.0, {}))
-  del state, params
+  wanted = set(FLAGS.fits_cases)
+  if "device" in wanted:
+    device_model = build(dataclasses.replace(model.cfg, remat=True))
+    params = device_model.init(key)
+    state = {"params": params, "opt": optimizer.init(params)}
+    seconds, times, losses, state = timed(all_on_device_step(device_model, optimizer), state, batch, steps)
+    keep(record("fits/device", model.cfg, rows, seq, seconds, times, losses, 1.0, {}))
+    del state, params
 
   budget = planner.default_budget()
   plan = planner.make_plan(model, seq, rows, budget)
   print(plan.describe(), flush=True)
-  keep(run_engine("fits/engine", model, optimizer, plan.engine, batch, steps, key))
-  RESULTS[-1]["plan"] = plan.describe()
+  if "engine" in wanted:
+    keep(run_engine("fits/engine", model, optimizer, plan.engine, batch, steps, key))
+    RESULTS[-1]["plan"] = plan.describe()
   streamed = dataclasses.replace(plan.engine, activations_on_host=True, device_state_groups=0)
-  keep(run_engine("fits/streamed", model, optimizer, streamed, batch, steps, key))
+  if "streamed" in wanted:
+    keep(run_engine("fits/streamed", model, optimizer, streamed, batch, steps, key))
 
-  per_micro_cfg = dataclasses.replace(streamed, sub_batches=1, activations_on_host=False)  # ZeRO keeps them on GPU
-  engine = Engine(model, optimizer, per_micro_cfg)
-  step = per_micro_batch_step(engine, plan.engine.sub_batches)
-  seconds, times, losses, _ = timed(step, engine.init(key), batch, steps)
-  keep(record("fits/per_micro_batch", model.cfg, rows, seq, seconds, times, losses, 0.0,
-                        {"micro_batches": plan.engine.sub_batches}))
+  if "per_micro_batch" in wanted:
+    per_micro_cfg = dataclasses.replace(streamed, sub_batches=1, activations_on_host=False)  # ZeRO keeps them on GPU
+    engine = Engine(model, optimizer, per_micro_cfg)
+    step = per_micro_batch_step(engine, plan.engine.sub_batches)
+    seconds, times, losses, _ = timed(step, engine.init(key), batch, steps)
+    keep(record("fits/per_micro_batch", model.cfg, rows, seq, seconds, times, losses, 0.0,
+                {"micro_batches": plan.engine.sub_batches}))
 
+  if "in_jit_scan" not in wanted:
+    return
   place = Placement.single()
   try:
     master = model.init(key)
