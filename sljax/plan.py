@@ -124,8 +124,10 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   fixed_device = {
       "embeddings+head (params, moments, grads)": m.outer_param_count() * (master_bytes + 2 * moments_bytes + 4),
       "group weights (2 in flight)": 2 * live * layer * compute_bytes,
-      "group grads": live * layer * 4,
-      "group state in update (2)": 2 * state_per_group,
+      # In backward one group's gradients accumulate while the next group's wait (reduced) for its deferred update.
+      "group grads (2)": 2 * live * layer * 4,
+      # That deferred update holds the group's state and writes the new state while the next group's state arrives.
+      "group state in update (3)": 3 * state_per_group,
       "activations in flight": 3 * (batch_size // sub_batch) * act,  # a group's inputs, outputs, gradients
       "compiled step peak": peak,
   }
