@@ -112,7 +112,7 @@ def configs_from_flags() -> tuple:
   return model_cfg, data_cfg, optim_cfg, run_cfg
 
 
-def choose_engine(model_cfg, data_cfg, optim_cfg, devices: int = 1) -> tuple:
+def choose_engine(model_cfg, data_cfg, optim_cfg, mesh) -> tuple:
   """(model config, EngineConfig or None for the all-on-device step); prints the plan when offloading."""
   device = jax.devices()[0]
   mode = FLAGS.engine
@@ -130,9 +130,11 @@ def choose_engine(model_cfg, data_cfg, optim_cfg, devices: int = 1) -> tuple:
   budget = default_budget(device)
   budget = Budget(int(FLAGS.device_memory_gib * GIB) or budget.device_bytes,
                   int(FLAGS.host_memory_gib * GIB) or budget.host_bytes)
-  # The plan sizes one device's work: its rows of the batch (the mesh splits every sub-batch over all devices).
-  plan = make_plan(build(model_cfg), data_cfg.seq_len, data_cfg.batch_size // devices, budget, FLAGS.sub_batches,
-                   FLAGS.live_layers, jax.numpy.dtype(optim_cfg.moments_dtype).itemsize, optim_cfg.grad_clip_norm)
+  # The plan sizes one device's work: its rows of the batch (the mesh splits every sub-batch over all devices) and
+  # its 1/fsdp share of the layer state.
+  plan = make_plan(build(model_cfg), data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, FLAGS.sub_batches,
+                   FLAGS.live_layers, jax.numpy.dtype(optim_cfg.moments_dtype).itemsize, optim_cfg.grad_clip_norm,
+                   fsdp=mesh.shape["fsdp"])
   print(f"plan for {FLAGS.model}, batch {data_cfg.batch_size} x {data_cfg.seq_len}:\n{plan.describe()}")
   return model_cfg, dataclasses.replace(plan.engine, int8_exchange=FLAGS.int8_exchange)
 
@@ -147,7 +149,7 @@ def run() -> dict[int, float]:
     source = make_source(data_cfg, model_cfg.max_positions, model_cfg.vocab_size)
     mesh = make_mesh(FLAGS.mesh)
     check_batch(data_cfg.batch_size, 1, mesh)
-    model_cfg, engine_cfg = choose_engine(model_cfg, data_cfg, optim_cfg, mesh.size)
+    model_cfg, engine_cfg = choose_engine(model_cfg, data_cfg, optim_cfg, mesh)
     check_batch(data_cfg.batch_size, engine_cfg.sub_batches if engine_cfg else 1, mesh)
   except ValueError as error:
     raise SystemExit(f"sljax: {error}") from None

@@ -53,7 +53,7 @@ flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).")
 flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory per GPU the plan may use.")
 flags.DEFINE_integer("fsdp_device_state_groups", -1, "Groups keeping their state on the device under FSDP "
-                     "(-1: the one-GPU plan's count x gpus, at most all groups).")
+                     "(-1: the plan's choice for a 1/gpus share of the state).")
 FLAGS = flags.FLAGS
 
 RESULTS = []
@@ -138,10 +138,13 @@ def main(argv):
   engine_cfg = plan.engine
   if FLAGS.smoke:  # the tiny model fits anywhere: stream through the host anyway, so every path runs
     engine_cfg = dataclasses.replace(engine_cfg, sub_batches=2, activations_on_host=True, device_state_groups=1)
-  groups = -(-model.cfg.num_layers // engine_cfg.live_layers)
   fsdp_groups = FLAGS.fsdp_device_state_groups
-  if fsdp_groups < 0:
-    fsdp_groups = min(groups, engine_cfg.device_state_groups * gpus)
+  if fsdp_groups < 0 and FLAGS.smoke:  # keep streaming state through the host, as the one-GPU smoke case does
+    fsdp_groups = engine_cfg.device_state_groups
+  elif fsdp_groups < 0:  # the plan for this GPU's 1/gpus share of the state (the rest of the split as one GPU's)
+    fsdp_plan = planner.make_plan(model, seq, rows, budget, engine_cfg.sub_batches, engine_cfg.live_layers, fsdp=gpus)
+    print(fsdp_plan.describe(), flush=True)
+    fsdp_groups = fsdp_plan.engine.device_state_groups
   cases = {
       "one_gpu": ({"data": 1, "fsdp": 1}, engine_cfg),
       "data_parallel": ({"data": gpus, "fsdp": 1}, engine_cfg),

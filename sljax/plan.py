@@ -41,6 +41,7 @@ class Plan:
   device_to_host_bytes: int
   compute_seconds: float  # predicted, at LAYER_EFFICIENCY of the peak
   budget: Budget
+  fsdp: int = 1  # devices each group's state is split over
 
   @property
   def transfer_seconds(self) -> float:
@@ -51,7 +52,8 @@ class Plan:
     rows = [
         f"sub-batches {e.sub_batches} x {self.sub_batch_size} rows, {e.live_layers} layer(s) per group, "
         f"activations {'in pinned host memory' if e.activations_on_host else 'on the device'}, "
-        f"{e.device_state_groups} group(s) keep master weights + optimizer state on the device",
+        f"{e.device_state_groups} group(s) keep master weights + optimizer state on the device"
+        + (f" (split over {self.fsdp} fsdp devices)" if self.fsdp > 1 else ""),
         _tier("device", self.device_bytes, self.budget.device_bytes),
         _tier("host", self.host_bytes, self.budget.host_bytes),
         f"per step: {self.host_to_device_bytes / GIB:.1f} GiB host->device, "
@@ -100,8 +102,14 @@ def _peak_step_bytes(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> 
 
 
 def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches: int = 0, live_layers: int = 0,
-              moments_bytes: int = 4, grad_clip_norm: float = 0.0, sub_batch_tokens: int = 16384) -> Plan:
-  """Chooses the engine's settings; 0 for sub_batches / live_layers means "choose". ValueError when it cannot fit."""
+              moments_bytes: int = 4, grad_clip_norm: float = 0.0, sub_batch_tokens: int = 16384,
+              fsdp: int = 1) -> Plan:
+  """Chooses the engine's settings for one device; 0 for sub_batches / live_layers means "choose". ValueError when it
+  cannot fit.
+
+  batch_size is this device's rows (the mesh splits every sub-batch over all devices) and the budgets are one
+  device's. fsdp: devices the layer state is split over; each holds 1/fsdp of every group's master weights,
+  optimizer state and host weight copy, and gathers a group's whole weights only while it runs."""
   m: ModelConfig = model.cfg
   if sub_batches:
     if batch_size % sub_batches:
@@ -115,7 +123,8 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   compute_bytes = jnp.dtype(m.dtype).itemsize
   master_bytes = jnp.dtype(m.param_dtype).itemsize
   layer = m.layer_param_count()
-  state_per_group = live * layer * (master_bytes + 2 * moments_bytes)  # fp32 master + two moments (AdamW)
+  state_per_group = live * layer * (master_bytes + 2 * moments_bytes) // fsdp  # fp32 master + two moments (AdamW)
+  weights_per_group = live * layer * compute_bytes  # gathered whole on every device while the group runs
   act = sub_batch * seq_len * m.hidden_size * compute_bytes
   stash = (groups - 1) * (batch_size // sub_batch) * act  # every group's input but the last group's
 
@@ -123,9 +132,10 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   peak = _peak_step_bytes(model, cfg, sub_batch, seq_len)
   fixed_device = {
       "embeddings+head (params, moments, grads)": m.outer_param_count() * (master_bytes + 2 * moments_bytes + 4),
-      "group weights (2 in flight)": 2 * live * layer * compute_bytes,
-      # In backward one group's gradients accumulate while the next group's wait (reduced) for its deferred update.
-      "group grads (2)": 2 * live * layer * 4,
+      "group weights (2 in flight)": 2 * weights_per_group + (weights_per_group // fsdp if fsdp > 1 else 0),
+      # In backward one group's gradients accumulate (whole, on every device) while the next group's wait, reduced to
+      # this device's shard, for its deferred update.
+      "group grads (2)": live * layer * 4 + live * layer * 4 // fsdp,
       # That deferred update holds the group's state and writes the new state while the next group's state arrives.
       "group state in update (3)": 3 * state_per_group,
       "activations in flight": 3 * (batch_size // sub_batch) * act,  # a group's inputs, outputs, gradients
@@ -144,7 +154,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   host_groups = groups - device_groups
   device_bytes = dict(fixed_device, **{"resident group state": device_groups * state_per_group,
                                        "activation stash": 0 if on_host else stash})
-  host_weights = host_groups * live * layer * compute_bytes if compute_bytes != master_bytes else 0
+  host_weights = host_groups * weights_per_group // fsdp if compute_bytes != master_bytes else 0
   host_bytes = {"group weights": host_weights, "group state": host_groups * state_per_group,
                 "activation stash": stash if on_host else 0}
   if sum(host_bytes.values()) > budget.host_bytes:
@@ -154,14 +164,17 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
         f"GiB and pinned host memory {budget.host_bytes / GIB:.1f} GiB (host part needs "
         f"{sum(host_bytes.values()) / GIB:.1f}); lower batch_size, or use bf16 moments (--moments_dtype=bfloat16)")
 
-  weight_bytes = host_groups * live * layer * compute_bytes
-  # Each group's input but the last's is stashed and fetched back once per step (one hidden state per row: a level).
+  shard = weights_per_group // fsdp  # one host group's weight copy on this device
+  # A host group's weights cross twice (forward, backward) but the last group's once (it runs both in one pass);
+  # the updated copy goes back once. Each group's input but the last's is stashed and fetched back once per step
+  # (one hidden state per row: a level). The token batch (a few bytes per token) is left out.
   level = batch_size * seq_len * m.hidden_size * compute_bytes if on_host else 0
-  h2d = 2 * weight_bytes + host_groups * state_per_group + (groups - 1) * level
-  d2h = weight_bytes + host_groups * state_per_group + (groups - 1) * level
+  crossings = 2 * host_groups - (1 if host_groups == groups else 0)
+  h2d = crossings * shard + host_groups * state_per_group + (groups - 1) * level
+  d2h = host_groups * (shard + state_per_group) + (groups - 1) * level
   tokens = batch_size * seq_len
   flops = tokens * m.flops_per_token(seq_len) * 4 / 3  # backward recomputes each group's forward
   return Plan(
-      engine=dataclasses.replace(cfg, activations_on_host=on_host, device_state_groups=device_groups),
+      engine=dataclasses.replace(cfg, activations_on_host=on_host, device_state_groups=device_groups), fsdp=fsdp,
       sub_batch_size=sub_batch, device_bytes=device_bytes, host_bytes=host_bytes, host_to_device_bytes=h2d,
       device_to_host_bytes=d2h, compute_seconds=flops / (PEAK_FLOPS * LAYER_EFFICIENCY), budget=budget)

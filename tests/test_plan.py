@@ -1,0 +1,93 @@
+"""The tuner: its placement must fit its budgets, its byte counts must be what the engine moves, bad budgets fail."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from models.presets import build, get_config
+from sljax.memory import Placement
+from sljax.mesh import make_mesh
+from sljax.plan import GIB, Budget, make_plan
+from sljax.schedule import Engine
+
+HUGE = Budget(device_bytes=1 << 50, host_bytes=1 << 50)
+
+
+def tiny_model(layers, hidden):
+  return build(get_config("llama-tiny", dict(num_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                                             num_heads=2, num_kv_heads=2, dtype="bfloat16", remat=False)))
+
+
+def budget_keeping(model, seq, rows, fsdp, device_groups, sub_batches=0):
+  """A device budget with room for the plan's fixed parts and exactly `device_groups` groups' state."""
+  everything = make_plan(model, seq, rows, HUGE, sub_batches=sub_batches, fsdp=fsdp)
+  assert not everything.engine.activations_on_host  # the huge budget keeps it all on the device
+  groups = everything.engine.device_state_groups
+  per_group = everything.device_bytes["resident group state"] // groups
+  fixed = sum(everything.device_bytes.values()) - everything.device_bytes["resident group state"] \
+      - everything.device_bytes["activation stash"]
+  return Budget(device_bytes=fixed + device_groups * per_group + per_group // 2, host_bytes=1 << 40), groups
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(2, 4), hidden=st.sampled_from([16, 32]), fsdp=st.sampled_from([1, 2]),
+       sub_batches=st.sampled_from([1, 2]), keep=st.integers(0, 3))
+def test_planned_bytes_per_step_are_what_the_engine_moves(layers, hidden, fsdp, sub_batches, keep):
+  seq, rows = 8, 2 * sub_batches  # rows: one device's share
+  model = tiny_model(layers, hidden)
+  budget, groups = budget_keeping(model, seq, rows, fsdp, min(keep, layers - 1), sub_batches)
+  plan = make_plan(model, seq, rows, budget, sub_batches=sub_batches, fsdp=fsdp)
+  assert plan.engine.activations_on_host and plan.engine.device_state_groups == min(keep, layers - 1)
+  assert sum(plan.device_bytes.values()) <= budget.device_bytes
+
+  place = Placement(make_mesh({"data": 1, "fsdp": fsdp}, jax.devices()[:fsdp]))
+  engine = Engine(model, optax.adamw(1e-3), plan.engine, place)
+  state = engine.init(jax.random.key(0))
+  total_rows = rows * fsdp  # every sub-batch is split over all devices
+  tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (total_rows, seq + 1)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((total_rows, seq), np.float32)}
+  before = dict(place.moved)
+  engine.step(state, batch)
+  moved = {k: place.moved[k] - before[k] for k in before}
+  # Left out of the plan: the batch (inputs, targets, weights) and AdamW's step count (an int32 per group on every
+  # device) that travels with each host group's state.
+  batch_bytes = 3 * total_rows * seq * 4
+  counts = (groups - plan.engine.device_state_groups) * fsdp * 4
+  assert moved["host_to_device"] == fsdp * plan.host_to_device_bytes + batch_bytes + counts
+  assert moved["device_to_host"] == fsdp * plan.device_to_host_bytes + counts
+
+
+def test_fsdp_splits_the_state_so_more_of_it_stays_on_the_device():
+  model = tiny_model(24, 32)
+  budget, groups = budget_keeping(model, 8, 4, 1, 2)
+  one, two = make_plan(model, 8, 4, budget), make_plan(model, 8, 4, budget, fsdp=2)
+  assert one.engine.device_state_groups == 2
+  assert 2 * 2 <= two.engine.device_state_groups < groups
+  per_group = lambda plan: plan.host_bytes["group state"] / (groups - plan.engine.device_state_groups)
+  assert per_group(two) == per_group(one) / 2
+
+
+def test_a_model_that_cannot_fit_names_the_gib_it_needs_and_has():
+  model = tiny_model(2, 16)
+  with pytest.raises(ValueError, match=r"need [\d.]+ GiB; the device has [\d.]+ GiB and pinned host memory"):
+    make_plan(model, 8, 4, Budget(device_bytes=budget_keeping(model, 8, 4, 1, 0)[0].device_bytes, host_bytes=1))
+  with pytest.raises(ValueError, match=r"GiB of device memory is needed .* but the device has 0.0 GiB"):
+    make_plan(model, 8, 4, Budget(device_bytes=1, host_bytes=GIB))
+
+
+def test_batch_not_divisible_by_sub_batches_is_refused():
+  with pytest.raises(ValueError, match="not divisible by 3 sub-batches"):
+    make_plan(tiny_model(2, 16), 8, 4, HUGE, sub_batches=3)
+
+
+def test_plan_is_a_valid_engine_config():
+  model = tiny_model(3, 16)
+  budget, _ = budget_keeping(model, 8, 4, 1, 1)
+  plan = make_plan(model, 8, 4, budget)
+  assert dataclasses.replace(plan.engine).sub_batches * plan.sub_batch_size == 4
+  assert "1 group(s) keep master weights" in plan.describe()
