@@ -19,8 +19,6 @@ import sys
 if "--smoke" in sys.argv:  # before jax starts: 8 CPU devices stand in for GPUs
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.97")
-# Data parallel keeps a full copy of the host-resident state per GPU: the pinned pool must hold G of them.
-os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "200")
 
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
@@ -125,6 +123,10 @@ def keep(result, model_name):
 
 def main(argv):
   del argv
+  # XLA's GPU client has one pinned-host pool (GiB, grows by doubling regions up to this cap). Data parallel keeps a
+  # full copy of the host-resident state per GPU, so the pool must hold --gpus of them; a cap of 200 let the pool grow
+  # past what a 256 GiB machine could back (the process was killed). Set before the backend starts.
+  os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(FLAGS.gpus * FLAGS.host_memory_gib * 1.05)))
   gpus, seq, rows = FLAGS.gpus, FLAGS.seq_len, FLAGS.rows_per_gpu
   overrides = {"remat": False}  # the engine's backward recomputes each group: no per-layer remat on top
   if FLAGS.smoke:
