@@ -19,7 +19,7 @@ import jax
 from absl import app, flags, logging
 
 from models.config import ModelConfig
-from models.hf import config_from_hf, load_hf
+from models.hf import HFWeights, config_from_hf
 from models.presets import PRESETS, build, get_config, parse_overrides
 from sljax.checkpoint import newest_checkpoint, restore_params
 from sljax.data import load_tokenizer
@@ -116,11 +116,10 @@ def load_weights(generator: OffloadedGenerator, cfg: ModelConfig) -> dict:
   if FLAGS.random_weights:
     return generator.init(jax.random.key(FLAGS.seed))
   if FLAGS.hf_dir:
-    # Read in the compute dtype: the generator keeps nothing else, and a bf16 70B model is 138 GB already.
-    _, params = load_hf(FLAGS.hf_dir, **{**parse_overrides(FLAGS.set), "param_dtype": cfg.dtype})
-  else:
-    params = restore_params(FLAGS.checkpoint)
-  return generator.load(params)
+    # Read in the compute dtype, one layer group at a time straight to its home (device or pinned host): a bf16
+    # 70B model is 138 GB, more than the host RAM of many GPU machines.
+    return generator.load(HFWeights(FLAGS.hf_dir, **{**parse_overrides(FLAGS.set), "param_dtype": cfg.dtype}))
+  return generator.load(restore_params(FLAGS.checkpoint))
 
 
 def run() -> list[dict]:

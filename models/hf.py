@@ -94,47 +94,74 @@ def _hf_name(family: str, module: str, leaf: str, layer: int | None = None) -> s
   return f"{path}.{_LEAF[leaf]}"
 
 
-def load_hf(path: str, **overrides) -> tuple[ModelConfig, Params]:
-  """Reads config.json and *.safetensors (one file or shards) into (cfg, params); params are host numpy arrays."""
-  config_path = os.path.join(path, "config.json")
-  if not os.path.isfile(config_path):
-    raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
-  with open(config_path) as f:
-    hf = json.load(f)
-  cfg = config_from_hf(hf, **overrides)
-  stored = {}  # tensor name -> (file, name inside it)
-  for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-    with safe_open(file, framework="np") as f:
-      stored.update({name: (file, name) for name in f.keys()})
-  if not stored:
-    raise ValueError(f"{path} has no *.safetensors files (re-save .bin checkpoints with save_pretrained)")
-  if hf.get("tie_word_embeddings") and "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored:
-    stored["lm_head.weight"] = stored["model.embed_tokens.weight"]  # a tied LLaMA head loads as an untied copy
+class HFWeights:
+  """A Hugging Face LLaMA/OPT directory (config.json + *.safetensors, one file or shards), read lazily: the
+  constructor reads the config and the tensor index and checks that every tensor the config needs is there;
+  `outer()` and `layers(start, stop)` read only the tensors they return. A model larger than host RAM can so be
+  placed one layer group at a time (sljax.generate.OffloadedGenerator.load)."""
 
-  shapes = traverse_util.flatten_dict(jax.eval_shape(build(cfg).init, jax.random.key(0)))
-  names = {  # (part, module, leaf) -> its Hugging Face tensors, one per layer for "layers"
-      (part, module, leaf): [_hf_name(cfg.family, module, leaf, i)
-                             for i in ([None] if part == "outer" else range(cfg.num_layers))]
-      for part, module, leaf in shapes}
-  missing = [name for tensors in names.values() for name in tensors if name not in stored]
-  if missing:
-    raise ValueError(f"{path} lacks {len(missing)} tensors that the config needs: {', '.join(missing[:4])}")
+  def __init__(self, path: str, **overrides):
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+      raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    with open(config_path) as f:
+      hf = json.load(f)
+    self.path, self.cfg = path, config_from_hf(hf, **overrides)
+    self._stored = {}  # tensor name -> (file, name inside it)
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+      with safe_open(file, framework="np") as f:
+        self._stored.update({name: (file, name) for name in f.keys()})
+    if not self._stored:
+      raise ValueError(f"{path} has no *.safetensors files (re-save .bin checkpoints with save_pretrained)")
+    if (hf.get("tie_word_embeddings") and "lm_head.weight" not in self._stored
+        and "model.embed_tokens.weight" in self._stored):
+      self._stored["lm_head.weight"] = self._stored["model.embed_tokens.weight"]  # tied head: an untied copy
+    self._shapes = traverse_util.flatten_dict(jax.eval_shape(build(self.cfg).init, jax.random.key(0)))
+    missing = [self._name(key, i) for key in self._shapes
+               for i in ([None] if key[0] == "outer" else range(self.cfg.num_layers))
+               if self._name(key, i) not in self._stored]
+    if missing:
+      raise ValueError(f"{path} lacks {len(missing)} tensors that the config needs: {', '.join(missing[:4])}")
 
-  def read(name, transpose):
-    file, inner = stored[name]
+  def _name(self, key, layer):
+    _, module, leaf = key
+    return _hf_name(self.cfg.family, module, leaf, layer)
+
+  def _read(self, key, layer) -> np.ndarray:
+    file, inner = self._stored[self._name(key, layer)]
     with safe_open(file, framework="np") as f:
       tensor = f.get_tensor(inner)
-    return tensor.T if transpose else tensor
+    return tensor.T if key[-1] == "kernel" else tensor
 
-  params = {}
-  for (part, module, leaf), hf_names in names.items():
-    arrays = [read(name, leaf == "kernel") for name in hf_names]
-    tensor = arrays[0] if part == "outer" else np.stack(arrays)
-    if tensor.shape != shapes[part, module, leaf].shape:
-      raise ValueError(f"{path}: {hf_names[0]} has shape {tensor.shape}, "
-                       f"the config implies {shapes[part, module, leaf].shape}")
-    params[part, module, leaf] = np.ascontiguousarray(tensor.astype(cfg.param_dtype, copy=False))
-  return cfg, traverse_util.unflatten_dict(params)
+  def _part(self, part: str, read, layers: int = 0) -> Params:
+    """part's leaves read by read(key); for "layers", `layers` of them stacked on the leading axis."""
+    params = {}
+    for key, shape in self._shapes.items():
+      if key[0] != part:
+        continue
+      tensor = read(key)
+      want = (layers,) + shape.shape[1:] if part == "layers" else shape.shape
+      if tensor.shape != want:
+        first = self._name(key, None if part == "outer" else 0)
+        raise ValueError(f"{self.path}: {first} has shape {tensor.shape}, the config implies {want}")
+      params[key[1:]] = np.ascontiguousarray(tensor.astype(self.cfg.param_dtype, copy=False))
+    return traverse_util.unflatten_dict(params)
+
+  def outer(self) -> Params:
+    """The embeddings, final norm and head, as host numpy arrays in the config's param_dtype."""
+    return self._part("outer", lambda key: self._read(key, None))
+
+  def layers(self, start: int, stop: int) -> Params:
+    """Layers start..stop-1 stacked on a leading axis, as host numpy arrays in the config's param_dtype."""
+    if not 0 <= start < stop <= self.cfg.num_layers:
+      raise ValueError(f"layers {start}..{stop} are outside the model's {self.cfg.num_layers}")
+    return self._part("layers", lambda key: np.stack([self._read(key, i) for i in range(start, stop)]), stop - start)
+
+
+def load_hf(path: str, **overrides) -> tuple[ModelConfig, Params]:
+  """Reads config.json and *.safetensors (one file or shards) into (cfg, params); params are host numpy arrays."""
+  weights = HFWeights(path, **overrides)
+  return weights.cfg, {"outer": weights.outer(), "layers": weights.layers(0, weights.cfg.num_layers)}
 
 
 def save_hf(path: str, cfg: ModelConfig, params: Params):

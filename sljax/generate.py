@@ -219,13 +219,18 @@ class OffloadedGenerator:
     self.groups = _groups(0, streamed, offload.live_layers) + _groups(streamed, num_layers, offload.live_layers)
     self.resident = [a >= streamed for a, _ in self.groups]
 
-  def load(self, params: dict) -> dict:
-    """Full-model params ({"outer", "layers"}: numpy, e.g. from models.hf.load_hf, or jax) laid out by group."""
+  def load(self, params) -> dict:
+    """Weights laid out by group, from full-model params ({"outer", "layers"}: numpy or jax, e.g. from
+    models.hf.load_hf) or from a reader with outer() and layers(start, stop) (models.hf.HFWeights), which is read
+    one group at a time: only that group is ever in host RAM outside its home, so the model may exceed host RAM."""
+    if isinstance(params, dict):
+      outer, layers = (lambda: params["outer"]), (lambda a, b: jax.tree.map(lambda x: x[a:b], params["layers"]))
+    else:
+      outer, layers = params.outer, params.layers
     dtype = jnp.dtype(self.model.cfg.dtype)
     cast = lambda tree: jax.tree.map(lambda x: np.asarray(x).astype(dtype, copy=False), tree)
-    groups = [self._home(g, cast(jax.tree.map(lambda x: x[a:b], params["layers"])))
-              for g, (a, b) in enumerate(self.groups)]
-    return {"outer": self.place.to_device(cast(params["outer"])), "groups": groups}
+    groups = [self._home(g, cast(layers(a, b))) for g, (a, b) in enumerate(self.groups)]
+    return {"outer": self.place.to_device(cast(outer())), "groups": groups}
 
   def init(self, key: jax.Array, host_buffers: int | None = None) -> dict:
     """Random weights, made one group at a time on the device, so the whole model never has to fit there;

@@ -14,7 +14,7 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models.hf import load_hf
+from models.hf import HFWeights, load_hf
 from models.presets import build, get_config
 from sljax import generate as gen
 from sljax.checkpoint import Checkpointer, restore_params
@@ -150,6 +150,16 @@ def test_prompt_logits_match_transformers(tmp_path, family):
   generator = OffloadedGenerator(model, OffloadConfig(sub_batches=2, live_layers=2, resident_layers=1))
   np.testing.assert_allclose(generator.prompt_logits(generator.load(params), prompts), want_BxV, rtol=0, atol=1e-4)
 
+  # Read lazily, one group at a time, the same weights land in the same places.
+  reader, asked = HFWeights(tmp_path, dtype="float32", param_dtype="float32", attention="xla"), []
+  layers = reader.layers
+  reader.layers = lambda a, b: asked.append((a, b)) or layers(a, b)
+  lazily, eagerly = generator.load(reader), generator.load(params)
+  assert asked == generator.groups
+  for got, want in zip(jax.tree.leaves(lazily), jax.tree.leaves(eagerly)):
+    assert got.sharding == want.sharding
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
   # Every position of the prompt's pass through the cache, as the model sees it.
   tokens_BxS = np.stack([p[:2] for p in prompts])
   start_B = np.zeros(4, np.int32)
@@ -258,6 +268,24 @@ def test_cli_generates_one_json_line_per_prompt_and_plans(tmp_path):
                 "--host_memory_gib=100")
   assert result.returncode == 0, result.stderr
   assert "streamed from pinned host" in result.stdout and "per generated token" in result.stdout
+
+
+def test_cli_reads_hf_weights_and_matches_the_on_device_loop(tmp_path):
+  torch.manual_seed(4)
+  config = transformers.LlamaConfig(  # the CLI's default tokenizer is bytes: 256 tokens
+      vocab_size=256, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+      num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
+  transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+  prompts = ["Hi there", "abc", "The end", "0123"]
+  (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+  result = _cli(f"--hf_dir={tmp_path / 'hf'}", "--set=dtype=float32", f"--prompt_file={tmp_path / 'prompts.txt'}",
+                "--max_new_tokens=3", "--batch=4", "--sub_batches=2", "--resident_layers=1", "--live_layers=1")
+  assert result.returncode == 0, result.stderr
+  got = [json.loads(line)["tokens"] for line in result.stdout.splitlines()]
+
+  cfg, params = load_hf(tmp_path / "hf", dtype="float32", param_dtype="float32")
+  want = generate_on_device(build(cfg), params, [list(p.encode()) for p in prompts], SamplingConfig(max_new_tokens=3))
+  assert got == want.tokens.tolist()
 
 
 CLI_ERRORS = {

@@ -3,6 +3,7 @@
 import json
 import random
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from models.hf import config_from_hf, load_hf, save_hf
+from models.hf import HFWeights, config_from_hf, load_hf, save_hf
 from models.presets import build
 
 
@@ -144,3 +145,17 @@ def test_unsupported_variants_are_refused(name, change):
   hf = {**CONFIGS[name]().to_dict(), **change}
   with pytest.raises(ValueError, match=f"unsupported {hf['model_type']}"):
     config_from_hf(hf)
+
+
+def test_layers_read_lazily_equal_the_full_load(tmp_path):
+  _torch_model(_llama_config(seed=5, queries_per_kv_head=2)).save_pretrained(tmp_path)
+  _, params = load_hf(tmp_path, dtype="float32")
+  weights = HFWeights(tmp_path, dtype="float32")
+  n = weights.cfg.num_layers
+  for a, b in [(0, 1), (1, n), (0, n)]:
+    for got, want in zip(jax.tree.leaves(weights.layers(a, b)), jax.tree.leaves(params["layers"])):
+      np.testing.assert_array_equal(got, want[a:b])
+  for got, want in zip(jax.tree.leaves(weights.outer()), jax.tree.leaves(params["outer"])):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match=f"outside the model's {n}"):
+    weights.layers(0, n + 1)
