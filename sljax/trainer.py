@@ -13,8 +13,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from absl import logging
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from models.config import ModelConfig
@@ -168,6 +170,14 @@ class StopSignal:
     self._restore()
 
 
+def _any_process(flag: bool) -> bool:
+  """Whether `flag` is set in any process. On several hosts every process must call this at the same step: a
+  signal that reaches one host (or reaches them at different steps) then stops them all after the same step."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
 def _in_a_row(step: int, skipped: set[int]) -> int:
   """Length of the run of consecutive skipped steps that ends at `step`."""
   length = 1
@@ -245,8 +255,9 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
         if run_cfg.profile and step == min(profile_start + PROFILE_STEPS, run_cfg.steps):
           jax.block_until_ready(loss)
           jax.profiler.stop_trace()
+        stopping = _any_process(stop.received is not None)
         sync = (not history or step % run_cfg.log_every == 0 or step % run_cfg.checkpoint_every == 0
-                or step == run_cfg.steps or stop.received or replaying_bad_step)
+                or step == run_cfg.steps or stopping or replaying_bad_step)
         if not sync:
           continue
 
@@ -292,12 +303,12 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
           progress.update(step)
           continue
         save(force=replaying_bad_step)  # saved past the bad step, a next one in a row rewinds with no replay
-        if stop.received:
+        if stopping:
           break
       save(force=True)
-      if stop.received:
-        logging.warning("%s: stopped after step %d; saved %s/%d; the same command resumes", stop.received, step,
-                        checkpointer.directory, step)
+      if stopping:
+        logging.warning("%s: stopped after step %d; saved %s/%d; the same command resumes",
+                        stop.received or "another process's stop signal", step, checkpointer.directory, step)
   finally:
     progress.close()
     checkpointer.close()

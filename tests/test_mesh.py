@@ -9,6 +9,7 @@ import fractions
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 from models.presets import build, get_config  # noqa: E402
 from sljax.checkpoint import Checkpointer  # noqa: E402
 from sljax.memory import HOST, Placement, tree_bytes  # noqa: E402
@@ -276,6 +278,35 @@ def test_two_processes_train_like_one(tmp_path):
     result = json.loads((tmp_path / f"{i}.json").read_text())
     assert result["mesh"] == {"data": 2, "fsdp": WORKER_DEVICES}
     np.testing.assert_allclose(result["losses"], want, rtol=1e-5)
+
+
+def test_a_signal_to_one_host_stops_every_host_after_the_same_step(tmp_path):
+  """SIGTERM reaches only the second of two train.py processes: both finish the same step, save it and exit 0
+  (without agreeing, the first would wait forever in the next step's collectives)."""
+  address, workdir, log = f"127.0.0.1:{_free_port()}", tmp_path / "run", tmp_path / "loss.jsonl"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  tiny = ["--set=num_layers=2", "--set=hidden_size=32", "--set=intermediate_size=64", "--set=num_heads=2",
+          "--seq_len=16", "--batch_size=4", "--max_tokens=10000000", "--log_every=1", "--steps=100000",
+          "--checkpoint_every=100000"]
+  workers = [subprocess.Popen([sys.executable, "train.py", f"--workdir={workdir}", *tiny, f"--loss_log={log}",
+                               f"--coordinator_address={address}", "--num_processes=2", f"--process_id={i}"],
+                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+  try:
+    deadline = time.time() + 180
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):  # the first process logs
+      assert time.time() < deadline and all(w.poll() is None for w in workers), "training did not start"
+      time.sleep(0.05)
+    workers[1].send_signal(signal.SIGTERM)
+    outputs = [worker.communicate(timeout=120)[1] for worker in workers]
+  finally:
+    for worker in workers:
+      worker.kill()
+  assert [worker.returncode for worker in workers] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+  last = json.loads(log.read_text().splitlines()[-1])["step"]
+  assert f"another process's stop signal: stopped after step {last}" in outputs[0]
+  assert f"SIGTERM: stopped after step {last}" in outputs[1]
+  assert (workdir / "checkpoints" / str(last)).is_dir()
 
 
 def _free_port() -> int:
