@@ -6,7 +6,8 @@ One generation (`OffloadedGenerator.generate`), top to bottom:
   one pass for the prompt (cache slots 0..P-1), then one pass per new token t (slot P + t):
     embed every sub-batch
     for each group g of `live_layers` layers:
-      W_g on the device: resident groups stay there; the others come from pinned host, prefetched one group ahead
+      W_g on the device: resident groups stay there (spread among the others, see layer_groups); the others come
+          from pinned host, prefetched one group ahead
       for each sub-batch s:  its cache for g, prefetched one sub-batch ahead from pinned host (or kept on the device)
         h[s], cache = group g over sub-batch s          (the cache is donated: updated in place)
         cache -> pinned host
@@ -198,8 +199,22 @@ def generate_on_device(model, params: dict, prompts: Sequence[Sequence[int]], sa
 
 # ---- the offloaded generator -------------------------------------------------------------------------------------
 
-def _groups(start: int, stop: int, size: int) -> list[tuple[int, int]]:
-  return [(a, min(a + size, stop)) for a in range(start, stop, size)]
+def layer_groups(num_layers: int, resident_layers: int, live_layers: int) -> tuple[list[tuple[int, int]], list[bool]]:
+  """([start, stop) of each group, whether it is resident). The streamed and the resident layers each form groups of
+  up to live_layers, and the resident groups are spread evenly among the streamed ones rather than put last: while
+  the device runs the resident groups between two streamed ones, the next streamed group is already crossing PCIe,
+  so a pass costs about its copies alone instead of its copies plus the resident groups' work."""
+  sizes = lambda layers: [min(live_layers, layers - a) for a in range(0, layers, live_layers)]
+  streamed, resident = sizes(num_layers - resident_layers), sizes(resident_layers)
+  n, r = len(streamed) + len(resident), len(resident)
+  flags = [(k + 1) * r // n > k * r // n for k in range(n)]  # r of n, evenly spaced
+  size_of = {False: iter(streamed), True: iter(resident)}
+  groups, start = [], 0
+  for flag in flags:
+    stop = start + next(size_of[flag])
+    groups.append((start, stop))
+    start = stop
+  return groups, flags
 
 
 class OffloadedGenerator:
@@ -215,9 +230,7 @@ class OffloadedGenerator:
       raise ValueError(f"resident_layers {offload.resident_layers} exceeds the model's {num_layers} layers")
     self.model, self.offload = model, offload
     self.place = placement or Placement.single()
-    streamed = num_layers - offload.resident_layers
-    self.groups = _groups(0, streamed, offload.live_layers) + _groups(streamed, num_layers, offload.live_layers)
-    self.resident = [a >= streamed for a, _ in self.groups]
+    self.groups, self.resident = layer_groups(num_layers, offload.resident_layers, offload.live_layers)
 
   def load(self, params) -> dict:
     """Weights laid out by group, from full-model params ({"outer", "layers"}: numpy or jax, e.g. from
@@ -378,7 +391,7 @@ def pass_cost(cfg: ModelConfig, offload: OffloadConfig, batch: int, seq: int, ma
   copied_in = streamed * layer + cache_in
   flops = batch * seq * cfg.num_layers * (2 * cfg.layer_param_count() + 4 * max_len * cfg.hidden_size)
   flops += 2 * batch * cfg.vocab_size * cfg.embed_dim
-  calls = len(_groups(0, streamed, offload.live_layers) + _groups(streamed, cfg.num_layers, offload.live_layers))
+  calls = len(layer_groups(cfg.num_layers, offload.resident_layers, offload.live_layers)[0])
   seconds = max(copied_in / hardware.host_to_device, cache_out / hardware.device_to_host,
                 (copied_in + cache_out) / hardware.both_directions, flops / hardware.flops,
                 (offload.sub_batches * cfg.num_layers * layer + outer + cache) / hardware.memory,

@@ -101,6 +101,19 @@ def test_init_equals_load_of_model_init():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+@settings(max_examples=50, deadline=None)
+@given(layers=st.integers(1, 90), resident=st.data(), live=st.integers(1, 4))
+def test_resident_groups_are_spread_among_the_streamed_ones(layers, resident, live):
+  r = resident.draw(st.integers(0, layers))
+  groups, flags = gen.layer_groups(layers, r, live)
+  assert [a for a, _ in groups] == [0] + [b for _, b in groups[:-1]] and groups[-1][1] == layers  # in order, all
+  assert all(0 < b - a <= live for a, b in groups)
+  assert sum(b - a for (a, b), flag in zip(groups, flags) if flag) == r
+  n, k = len(flags), sum(flags)
+  for prefix in range(n + 1):  # every prefix holds its share of the resident groups, to within one
+    assert abs(sum(flags[:prefix]) - prefix * k / n) < 1
+
+
 def test_weights_and_kv_cache_live_where_the_config_says():
   model, params, prompts = _setup("llama")
   kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
