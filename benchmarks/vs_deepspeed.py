@@ -22,6 +22,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,22 +39,19 @@ WORKLOADS = {
 
 
 def run(name, argv, timeout, log_path):
-  """Runs one system; returns (exit status, seconds). Output goes to the terminal and to log_path."""
+  """Runs one system, stopped with SIGTERM after `timeout` seconds (both scripts write their JSON on it); returns
+  (exit status, seconds). Output goes to the terminal and to log_path."""
   print(f"== {name}: {' '.join(shlex.quote(a) for a in argv)}", flush=True)
   start = time.perf_counter()
   with open(log_path, "w") as log:
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = start + timeout
+    timer = threading.Timer(timeout, proc.terminate)
+    timer.start()
     for line in proc.stdout:
       sys.stdout.write(line)
       log.write(line)
-      if time.perf_counter() > deadline and proc.poll() is None:
-        proc.terminate()  # both scripts write their JSON on SIGTERM
-    try:
-      status = proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
-    except subprocess.TimeoutExpired:
-      proc.terminate()
-      status = proc.wait()
+    status = proc.wait()
+    timer.cancel()
   return status, time.perf_counter() - start
 
 
