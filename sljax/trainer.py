@@ -172,7 +172,9 @@ class StopSignal:
 
 def _any_process(flag: bool) -> bool:
   """Whether `flag` is set in any process. On several hosts every process must call this at the same step: a
-  signal that reaches one host (or reaches them at different steps) then stops them all after the same step."""
+  signal that reaches one host (or reaches them at different steps) then stops them all after the same step. The
+  all-gather waits for the step in flight, so the next step's first weights start crossing only after it (a gap of
+  about one group's copy per step: ~15 ms of llama13b's 11 s); with one process nothing waits."""
   if jax.process_count() == 1:
     return flag
   return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
