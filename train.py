@@ -14,7 +14,8 @@ import os
 import jax
 from absl import app, flags, logging
 
-from models.presets import PRESETS, build, get_config
+from models.hf import HFWeights
+from models.presets import PRESETS, build, get_config, parse_overrides
 from sljax import trainer
 from sljax.checkpoint import CheckpointCorruptError, CheckpointMismatchError
 from sljax.data import DataConfig, make_source
@@ -28,6 +29,8 @@ DATA, OPTIM, RUN = DataConfig(), OptimConfig(), RunConfig()  # the defaults the 
 
 flags.DEFINE_string("model", DEFAULT_MODEL, f"Model preset: {', '.join(PRESETS)}.")
 flags.DEFINE_multi_string("set", [], "Model config override field=value, repeatable (e.g. --set num_layers=8).")
+flags.DEFINE_string("hf_dir", "", "Start from these Hugging Face LLaMA/OPT weights (config.json + *.safetensors) "
+                    "instead of a random init; the model is the one its config.json describes (--set still applies).")
 
 flags.DEFINE_string("data", DATA.name, "Corpus: 'stdlib' (embedded) or a TFDS name prepared as array_record.")
 flags.DEFINE_string("data_dir", DATA.data_dir, "TFDS data_dir (default: TFDS's).")
@@ -93,9 +96,15 @@ class _OwnInfoOnly(std_logging.Filter):
     return record.levelno >= std_logging.WARNING or own
 
 
+def model_name() -> str:
+  return os.path.basename(os.path.normpath(FLAGS.hf_dir)) if FLAGS.hf_dir else FLAGS.model
+
+
 def configs_from_flags() -> tuple:
-  """(ModelConfig, DataConfig, OptimConfig, RunConfig) from the parsed flags; ValueError on a bad value."""
-  model_cfg = get_config(FLAGS.model, FLAGS.set)
+  """(ModelConfig, DataConfig, OptimConfig, RunConfig, initial weights or None) from the parsed flags; ValueError
+  on a bad value."""
+  weights = HFWeights(FLAGS.hf_dir, **parse_overrides(FLAGS.set)) if FLAGS.hf_dir else None  # reads no tensor yet
+  model_cfg = weights.cfg if weights else get_config(FLAGS.model, FLAGS.set)
   data_cfg = DataConfig(
       name=FLAGS.data, data_dir=FLAGS.data_dir, tokenizer=FLAGS.tokenizer, split=FLAGS.split,
       text_key=FLAGS.text_key, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size, max_tokens=FLAGS.max_tokens,
@@ -106,10 +115,10 @@ def configs_from_flags() -> tuple:
       weight_decay=FLAGS.weight_decay, b1=FLAGS.b1, b2=FLAGS.b2, eps=FLAGS.eps, grad_clip_norm=FLAGS.grad_clip_norm,
       moments_dtype=FLAGS.moments_dtype)
   run_cfg = RunConfig(
-      steps=FLAGS.steps, workdir=FLAGS.workdir or os.path.join("runs", FLAGS.model),
+      steps=FLAGS.steps, workdir=FLAGS.workdir or os.path.join("runs", model_name()),
       checkpoint_every=FLAGS.checkpoint_every, keep_checkpoints=FLAGS.keep_checkpoints, log_every=FLAGS.log_every,
       profile=FLAGS.profile, stop_after_bad_steps=FLAGS.stop_after_bad_steps, loss_log=FLAGS.loss_log)
-  return model_cfg, data_cfg, optim_cfg, run_cfg
+  return model_cfg, data_cfg, optim_cfg, run_cfg, weights
 
 
 def choose_engine(model_cfg, data_cfg, optim_cfg, mesh) -> tuple:
@@ -118,12 +127,12 @@ def choose_engine(model_cfg, data_cfg, optim_cfg, mesh) -> tuple:
   mode = FLAGS.engine
   if mode == "auto":
     try:
-      trainer.check_fits(FLAGS.model, model_cfg, optim_cfg, device)
+      trainer.check_fits(model_name(), model_cfg, optim_cfg, device)
       mode = "device"
     except ValueError:
       mode = "offload"
   if mode == "device" and not FLAGS.plan:
-    trainer.check_fits(FLAGS.model, model_cfg, optim_cfg, device)
+    trainer.check_fits(model_name(), model_cfg, optim_cfg, device)
     return model_cfg, None
   # Each group's backward recomputes the group's forward: per-layer remat inside it would recompute twice.
   model_cfg = dataclasses.replace(model_cfg, remat=False)
@@ -135,7 +144,7 @@ def choose_engine(model_cfg, data_cfg, optim_cfg, mesh) -> tuple:
   plan = make_plan(build(model_cfg), data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, FLAGS.sub_batches,
                    FLAGS.live_layers, jax.numpy.dtype(optim_cfg.moments_dtype).itemsize, optim_cfg.grad_clip_norm,
                    fsdp=mesh.shape["fsdp"])
-  print(f"plan for {FLAGS.model}, batch {data_cfg.batch_size} x {data_cfg.seq_len}:\n{plan.describe()}")
+  print(f"plan for {model_name()}, batch {data_cfg.batch_size} x {data_cfg.seq_len}:\n{plan.describe()}")
   return model_cfg, dataclasses.replace(plan.engine, int8_exchange=FLAGS.int8_exchange)
 
 
@@ -143,7 +152,7 @@ def run() -> dict[int, float]:
   """Checks the request, then trains; returns {step: loss} of the steps run. Bad requests exit with one line."""
   # Everything that can be wrong with the request is checked here, before the workdir or any array exists.
   try:
-    model_cfg, data_cfg, optim_cfg, run_cfg = configs_from_flags()
+    model_cfg, data_cfg, optim_cfg, run_cfg, weights = configs_from_flags()
     if not FLAGS.plan:
       trainer.check_workdir(run_cfg.workdir)
     source = make_source(data_cfg, model_cfg.max_positions, model_cfg.vocab_size)
@@ -155,12 +164,14 @@ def run() -> dict[int, float]:
     raise SystemExit(f"sljax: {error}") from None
   if FLAGS.plan:
     return {}
-  logging.info("%s: %.1f M params, %s compute on %s; workdir %s", FLAGS.model, model_cfg.param_count() / 1e6,
+  logging.info("%s: %.1f M params, %s compute on %s; workdir %s", model_name(), model_cfg.param_count() / 1e6,
                model_cfg.dtype, jax.devices()[0].device_kind, run_cfg.workdir)
-  meta = {"model": FLAGS.model, "overrides": FLAGS.set, "model_config": dataclasses.asdict(model_cfg),
-          "data": dataclasses.asdict(data_cfg), "optim": dataclasses.asdict(optim_cfg)}
+  meta = {"model": model_name(), "hf_dir": FLAGS.hf_dir, "overrides": FLAGS.set,
+          "model_config": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
+          "optim": dataclasses.asdict(optim_cfg)}
   try:
-    return trainer.train(model_cfg, source, optim_cfg, run_cfg, meta, engine_cfg, mesh if mesh.size > 1 else None)
+    return trainer.train(model_cfg, source, optim_cfg, run_cfg, meta, engine_cfg, mesh if mesh.size > 1 else None,
+                         init_params=weights)
   except CheckpointMismatchError as error:
     raise SystemExit(f"sljax: {error}; use another --workdir") from None
   except (CheckpointCorruptError, trainer.Diverged) as error:

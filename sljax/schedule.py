@@ -192,13 +192,17 @@ class Engine:
     groups = [self._make_group(g, self._init_layers(layer_keys[a:b])) for g, (a, b) in enumerate(self.groups)]
     return self._state(outer, groups)
 
-  def from_params(self, params: dict) -> dict:
-    """Lays out full-model params ({"outer", "layers"}, on any device or numpy; the same on every process) as
-    engine state."""
+  def from_params(self, params) -> dict:
+    """Lays out full-model params as engine state: {"outer", "layers"} (on any device or numpy), or a reader with
+    outer() and layers(start, stop) (models.hf.HFWeights), read one group at a time so that the whole model never
+    has to be in host RAM. The same on every process."""
+    if isinstance(params, dict):
+      outer, layers = (lambda: params["outer"]), (lambda a, b: jax.tree.map(lambda x: x[a:b], params["layers"]))
+    else:
+      outer, layers = params.outer, params.layers
     copy = lambda tree, spec: self.place.to_device(jax.tree.map(np.array, tree), spec)  # not the caller's arrays
-    groups = [self._make_group(g, copy(jax.tree.map(lambda x: x[a:b], params["layers"]), self.place.state_spec))
-              for g, (a, b) in enumerate(self.groups)]
-    return self._state(copy(params["outer"], REPLICATED), groups)
+    groups = [self._make_group(g, copy(layers(a, b), self.place.state_spec)) for g, (a, b) in enumerate(self.groups)]
+    return self._state(copy(outer(), REPLICATED), groups)
 
   def abstract_state(self, key: jax.Array) -> dict:
     """Shapes, dtypes and shardings (memory kinds and mesh layout included) of `init(key)`, allocating nothing: a

@@ -65,6 +65,7 @@ class Engine(NamedTuple):
   """
 
   init: Callable  # key -> state
+  load: Callable  # full-model params ({"outer", "layers"}) or a reader of them (models.hf.HFWeights) -> state
   step: Callable  # (state, batch) -> (state, loss); may donate state
   abstract: Callable  # key -> state of jax.ShapeDtypeStruct with shardings
   skips_bad_steps: bool
@@ -81,6 +82,12 @@ def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.De
     params = model.init(key)
     return {"params": params, "opt_state": optimizer.init(params)}
 
+  def load(params):
+    if not isinstance(params, dict):  # a reader: the whole model fits on the device, so it fits in host RAM
+      params = {"outer": params.outer(), "layers": params.layers(0, model.cfg.num_layers)}
+    params = jax.device_put(params, sharding)
+    return jax.jit(lambda p: {"params": p, "opt_state": optimizer.init(p)}, out_shardings=sharding)(params)
+
   def step(state, batch):
     loss, grads = jax.value_and_grad(model.loss)(state["params"], batch)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
@@ -94,7 +101,7 @@ def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.De
   if mesh is not None:  # each device takes its rows of the batch
     place, sharded_step = Placement(mesh), step
     step = lambda state, batch: sharded_step(state, place.to_device(batch, PER_DEVICE))
-  return Engine(init, step, lambda key: jax.eval_shape(init, key), skips_bad_steps=True)
+  return Engine(init, load, step, lambda key: jax.eval_shape(init, key), skips_bad_steps=True)
 
 
 def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
@@ -106,7 +113,8 @@ def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
                            None if mesh is None else Placement(mesh))
   # A non-finite loss leaves its state unchanged; a non-finite gradient too when clipping (the updates then wait for
   # the global norm). Without clipping, updates stream out before the whole gradient is known: rewind instead.
-  return Engine(engine.init, engine.step, engine.abstract_state, skips_bad_steps=optim_cfg.grad_clip_norm > 0)
+  return Engine(engine.init, engine.from_params, engine.step, engine.abstract_state,
+                skips_bad_steps=optim_cfg.grad_clip_norm > 0)
 
 
 def training_state_bytes(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> int:
@@ -189,11 +197,13 @@ def _in_a_row(step: int, skipped: set[int]) -> int:
 
 
 def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cfg: RunConfig, meta: dict,
-          engine_cfg: EngineConfig | None = None, mesh: jax.sharding.Mesh | None = None) -> dict[int, float]:
+          engine_cfg: EngineConfig | None = None, mesh: jax.sharding.Mesh | None = None,
+          init_params=None) -> dict[int, float]:
   """Trains to `run_cfg.steps`, resuming from the newest checkpoint in the workdir; returns {step: loss} of the
   steps this call ran (step n is the loss of the n-th update, 1-based; NaN for a skipped step). `meta` is saved
   with every checkpoint. With `engine_cfg` the step is the offload engine's, else the plain all-on-device step;
-  `mesh` spreads either over several devices (sljax.mesh).
+  `mesh` spreads either over several devices (sljax.mesh). A run with no checkpoint yet starts from `init_params`
+  (full-model params or a reader of them, e.g. models.hf.HFWeights) when given, else from a random init.
 
   The loop waits for the device only at sync points: every `log_every` steps, at each checkpoint, at the end and
   after SIGTERM / SIGINT, which save and return early. Losses are checked there, before any save, so no checkpoint
@@ -209,7 +219,8 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
                               run_cfg.keep_checkpoints)
 
   def newest_good_state() -> tuple[int, object, dict]:  # checkpoints are only ever saved from good states
-    return checkpointer.restore_latest(engine.abstract(key)) or (0, engine.init(key), {})
+    return checkpointer.restore_latest(engine.abstract(key)) or (
+        0, engine.init(key) if init_params is None else engine.load(init_params), {})
 
   start, state, saved_meta = newest_good_state()
   if start:

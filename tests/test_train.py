@@ -62,6 +62,7 @@ BAD_REQUESTS = {
     "tokenizer file '/nonexistent/tokenizer.model' does not exist": ["--tokenizer=/nonexistent/tokenizer.model"],
     "TFDS dataset 'no_such_corpus' is not prepared": ["--data=no_such_corpus"],
     "workdir /dev/null/run cannot be created: /dev/null is not a directory": ["--workdir=/dev/null/run"],
+    "/nonexistent is not a Hugging Face model directory: it has no config.json": ["--hf_dir=/nonexistent"],
 }
 
 
@@ -75,3 +76,33 @@ def test_bad_requests_exit_with_one_line_and_write_nothing(tmp_path, message):
   assert len(errors) == 1 and message in errors[0], result.stderr
   assert "Traceback" not in result.stderr
   assert not workdir.exists()
+
+
+@pytest.mark.parametrize("engine", [["--engine=device"], ["--engine=offload", "--sub_batches=2", "--live_layers=1"]],
+                         ids=["device", "offload"])
+def test_training_starts_from_hugging_face_weights(tmp_path, engine):
+  import torch
+  import transformers
+
+  from models.hf import load_hf
+  from models.presets import build
+  from sljax.data import DataConfig, make_source
+
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+  model = transformers.LlamaForCausalLM(config)
+  with torch.no_grad():  # far from a fresh init, whose loss is about ln(256) whatever its draw
+    for p in model.parameters():
+      p.add_(0.1 * torch.randn_like(p))
+  model.save_pretrained(tmp_path / "hf")
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["train.py", f"--workdir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}", "--set=dtype=float32",
+               "--seq_len=32", "--batch_size=4", "--max_tokens=200000", "--log_every=1", "--steps=2", "--warmup_steps=1", *engine])
+  history = train.run()
+
+  cfg, params = load_hf(tmp_path / "hf", dtype="float32")
+  source = make_source(DataConfig(seq_len=32, batch_size=4, max_tokens=200000), cfg.max_positions, cfg.vocab_size)
+  want = float(build(cfg).loss(params, source.batch(0)))
+  assert abs(want - np.log(256)) > 0.1
+  np.testing.assert_allclose(history[1], want, rtol=1e-5)
