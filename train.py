@@ -103,6 +103,8 @@ def model_name() -> str:
 def configs_from_flags() -> tuple:
   """(ModelConfig, DataConfig, OptimConfig, RunConfig, initial weights or None) from the parsed flags; ValueError
   on a bad value."""
+  if FLAGS.hf_dir and FLAGS["model"].present:
+    raise ValueError("give --model or --hf_dir (whose config.json names the model), not both")
   weights = HFWeights(FLAGS.hf_dir, **parse_overrides(FLAGS.set)) if FLAGS.hf_dir else None  # reads no tensor yet
   model_cfg = weights.cfg if weights else get_config(FLAGS.model, FLAGS.set)
   data_cfg = DataConfig(

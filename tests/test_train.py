@@ -63,6 +63,7 @@ BAD_REQUESTS = {
     "TFDS dataset 'no_such_corpus' is not prepared": ["--data=no_such_corpus"],
     "workdir /dev/null/run cannot be created: /dev/null is not a directory": ["--workdir=/dev/null/run"],
     "/nonexistent is not a Hugging Face model directory: it has no config.json": ["--hf_dir=/nonexistent"],
+    "give --model or --hf_dir (whose config.json names the model), not both": ["--model=llama7b", "--hf_dir=x"],
 }
 
 
