@@ -12,6 +12,25 @@ from models.config import ModelConfig
 Params = dict  # {"outer": embeddings/norm/head params, "layers": per-layer params stacked on a leading L axis}
 
 
+class InMemoryParams:
+  """Full-model Params behind the reader interface that models.hf.HFWeights also has: outer(), layers(start, stop).
+  What lays weights out group by group (the engine, the generator) takes either."""
+
+  def __init__(self, params: Params):
+    self.params = params
+
+  def outer(self) -> Params:
+    return self.params["outer"]
+
+  def layers(self, start: int, stop: int) -> Params:
+    return jax.tree.map(lambda x: x[start:stop], self.params["layers"])
+
+
+def params_reader(params):
+  """`params` as a reader: a Params dict is wrapped, a reader (models.hf.HFWeights) is returned as it is."""
+  return InMemoryParams(params) if isinstance(params, dict) else params
+
+
 def attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cfg: ModelConfig, scale: float | None = None):
   """Causal attention; K may divide N (grouped-query). cuDNN flash attention on GPU, plain XLA elsewhere."""
   implementation = cfg.attention

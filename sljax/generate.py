@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.common import cache_positions
+from models.common import cache_positions, params_reader
 from models.config import ModelConfig
 from sljax.memory import Placement, prefetch
 from sljax.plan import GIB, default_budget
@@ -236,14 +236,11 @@ class OffloadedGenerator:
     """Weights laid out by group, from full-model params ({"outer", "layers"}: numpy or jax, e.g. from
     models.hf.load_hf) or from a reader with outer() and layers(start, stop) (models.hf.HFWeights), which is read
     one group at a time: only that group is ever in host RAM outside its home, so the model may exceed host RAM."""
-    if isinstance(params, dict):
-      outer, layers = (lambda: params["outer"]), (lambda a, b: jax.tree.map(lambda x: x[a:b], params["layers"]))
-    else:
-      outer, layers = params.outer, params.layers
+    reader = params_reader(params)
     dtype = jnp.dtype(self.model.cfg.dtype)
     cast = lambda tree: jax.tree.map(lambda x: np.asarray(x).astype(dtype, copy=False), tree)
-    groups = [self._home(g, cast(layers(a, b))) for g, (a, b) in enumerate(self.groups)]
-    return {"outer": self.place.to_device(cast(outer())), "groups": groups}
+    groups = [self._home(g, cast(reader.layers(a, b))) for g, (a, b) in enumerate(self.groups)]
+    return {"outer": self.place.to_device(cast(reader.outer())), "groups": groups}
 
   def init(self, key: jax.Array, host_buffers: int | None = None) -> dict:
     """Random weights, made one group at a time on the device, so the whole model never has to fit there;

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from models.common import params_reader
 from sljax.memory import DEVICE, HOST, Placement, prefetch
 from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 
@@ -196,13 +197,11 @@ class Engine:
     """Lays out full-model params as engine state: {"outer", "layers"} (on any device or numpy), or a reader with
     outer() and layers(start, stop) (models.hf.HFWeights), read one group at a time so that the whole model never
     has to be in host RAM. The same on every process."""
-    if isinstance(params, dict):
-      outer, layers = (lambda: params["outer"]), (lambda a, b: jax.tree.map(lambda x: x[a:b], params["layers"]))
-    else:
-      outer, layers = params.outer, params.layers
+    reader = params_reader(params)
     copy = lambda tree, spec: self.place.to_device(jax.tree.map(np.array, tree), spec)  # not the caller's arrays
-    groups = [self._make_group(g, copy(layers(a, b), self.place.state_spec)) for g, (a, b) in enumerate(self.groups)]
-    return self._state(copy(outer(), REPLICATED), groups)
+    groups = [self._make_group(g, copy(reader.layers(a, b), self.place.state_spec))
+              for g, (a, b) in enumerate(self.groups)]
+    return self._state(copy(reader.outer(), REPLICATED), groups)
 
   def abstract_state(self, key: jax.Array) -> dict:
     """Shapes, dtypes and shardings (memory kinds and mesh layout included) of `init(key)`, allocating nothing: a

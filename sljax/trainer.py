@@ -19,6 +19,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from models.common import params_reader
 from models.config import ModelConfig
 from models.presets import build
 from sljax import metrics, schedule
@@ -83,9 +84,8 @@ def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.De
     return {"params": params, "opt_state": optimizer.init(params)}
 
   def load(params):
-    if not isinstance(params, dict):  # a reader: the whole model fits on the device, so it fits in host RAM
-      params = {"outer": params.outer(), "layers": params.layers(0, model.cfg.num_layers)}
-    params = jax.device_put(params, sharding)
+    reader = params_reader(params)  # the whole model fits on the device here, so it fits in host RAM too
+    params = jax.device_put({"outer": reader.outer(), "layers": reader.layers(0, model.cfg.num_layers)}, sharding)
     return jax.jit(lambda p: {"params": p, "opt_state": optimizer.init(p)}, out_shardings=sharding)(params)
 
   def step(state, batch):
