@@ -131,7 +131,10 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   cfg = EngineConfig(sub_batches=batch_size // sub_batch, live_layers=live, grad_clip_norm=grad_clip_norm)
   peak = _peak_step_bytes(model, cfg, sub_batch, seq_len)
   fixed_device = {
-      "embeddings+head (params, moments, grads)": m.outer_param_count() * (master_bytes + 2 * moments_bytes + 4),
+      # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
+      # per step) and the per-device gradient accumulator.
+      "embeddings+head (params, moments, grads)": m.outer_param_count() * (
+          (master_bytes + 2 * moments_bytes + 4) // fsdp + (master_bytes + 4 if fsdp > 1 else 0)),
       "group weights (2 in flight)": 2 * weights_per_group + (weights_per_group // fsdp if fsdp > 1 else 0),
       # In backward one group's gradients accumulate (whole, on every device) while the next group's wait, reduced to
       # this device's shard, for its deferred update.

@@ -122,8 +122,10 @@ class Engine:
     sharded = lambda tree: self.place.shardings(tree, DEVICE, self.place.state_spec)
     self._init_layers = jax.jit(model.init_layers, out_shardings=sharded(layer_shapes))
     self._init_opt = jax.jit(optimizer.init, out_shardings=sharded(jax.eval_shape(optimizer.init, layer_shapes)))
-    self._init_outer = jax.jit(model.init_outer, out_shardings=self.place.device())
-    self._init_outer_opt = jax.jit(optimizer.init, out_shardings=self.place.device())
+    # Embeddings + head: master weights and optimizer state split over fsdp like a group's (gathered whole per step).
+    outer_shapes = jax.eval_shape(model.init_outer, jax.random.key(0))
+    self._init_outer = jax.jit(model.init_outer, out_shardings=sharded(outer_shapes))
+    self._init_outer_opt = jax.jit(optimizer.init, out_shardings=sharded(jax.eval_shape(optimizer.init, outer_shapes)))
 
   def _local(self, fn, in_specs, out_specs, donate=()):
     """fn jitted to run on each device's own rows (shard_map); nothing inside communicates."""
@@ -201,7 +203,7 @@ class Engine:
     copy = lambda tree, spec: self.place.to_device(jax.tree.map(np.array, tree), spec)  # not the caller's arrays
     groups = [self._make_group(g, copy(reader.layers(a, b), self.place.state_spec))
               for g, (a, b) in enumerate(self.groups)]
-    return self._state(copy(reader.outer(), REPLICATED), groups)
+    return self._state(copy(reader.outer(), self.place.state_spec), groups)
 
   def abstract_state(self, key: jax.Array) -> dict:
     """Shapes, dtypes and shardings (memory kinds and mesh layout included) of `init(key)`, allocating nothing: a
@@ -213,7 +215,9 @@ class Engine:
     groups = [{name: placed(tree, DEVICE if self.state_on_device[g] and name != "weights" else HOST,
                             self.place.state_spec) for name, tree in group.items()}
               for g, group in enumerate(shapes["groups"])]
-    return dict(placed(shapes, DEVICE, REPLICATED), groups=groups)
+    split = lambda name: placed(shapes[name], DEVICE, self.place.state_spec)
+    return {"step": placed(shapes["step"], DEVICE, REPLICATED), "outer": split("outer"),
+            "outer_opt": split("outer_opt"), "groups": groups}
 
   def _state(self, outer, groups) -> dict:
     return {"step": self.place.to_device(np.zeros((), np.int32)), "outer": outer,
@@ -222,7 +226,8 @@ class Engine:
   def params(self, state: dict) -> dict:
     """Full-model params, whole on every device (for tests and export; needs the whole model to fit there)."""
     layers = [self.place.gather(self.place.to_device(group["master"])) for group in state["groups"]]
-    return {"outer": state["outer"], "layers": jax.tree.map(lambda *xs: jnp.concatenate(xs), *layers)}
+    return {"outer": self.place.gather(state["outer"]),
+            "layers": jax.tree.map(lambda *xs: jnp.concatenate(xs), *layers)}
 
   # ---- transfers -----------------------------------------------------------------------------------------------
 
@@ -249,7 +254,7 @@ class Engine:
         for key in ("inputs", "targets", "weights"))
     inv_total = np.float32(1.0 / max(float(np.sum(batch["weights"])), 1.0))  # loss = mean over the whole batch
 
-    outer, groups = state["outer"], state["groups"]
+    outer, groups = self.place.gather(state["outer"]), state["groups"]  # embeddings + head, whole on every device
     last = len(groups) - 1
     # Each group's weights cross to the device once forward, once backward; the last group's stay for both.
     order = list(range(last + 1)) + list(range(last - 1, -1, -1))
@@ -303,7 +308,7 @@ class Engine:
 
     for s, dh in enumerate(cotangents):
       outer_grads = self._embed_backward(outer, tokens[s], dh, outer_grads)
-    outer_grads = self.place.reduce(outer_grads, sharded=False)
+    outer_grads = self.place.reduce(outer_grads)  # to the shards of the embeddings + head
 
     norm = jnp.zeros((), jnp.float32)
     if parked:  # clipping: every gradient is known only now, so the parked updates run here
@@ -311,7 +316,7 @@ class Engine:
       ok = ok & jnp.isfinite(norm)
       for g, incoming, grads, _ in parked:
         new_groups[g] = self._apply(g, self._take(incoming), self._take(grads), norm, ok)
-    new_outer, new_outer_opt = self._update(outer, state["outer_opt"], outer_grads, norm, ok)
+    new_outer, new_outer_opt = self._update(state["outer"], state["outer_opt"], outer_grads, norm, ok)
     new_state = {"step": state["step"] + ok.astype(jnp.int32), "outer": new_outer, "outer_opt": new_outer_opt,
                  "groups": new_groups}
     return new_state, jnp.where(ok, loss, jnp.nan)  # NaN tells the caller this step was skipped

@@ -130,15 +130,19 @@ def test_state_is_sharded_over_fsdp_in_pinned_host_memory():
       if x.ndim:  # Adam's step count is a scalar
         assert "fsdp" in x.sharding.spec
         assert x.addressable_shards[0].data.size == x.size // 4  # each device's host holds a quarter
-  assert all(x.sharding.spec == P() for x in jax.tree.leaves(state["outer"]))
+  for x in jax.tree.leaves((state["outer"], state["outer_opt"])):  # embeddings + head: on the device, split too
+    assert x.sharding.memory_kind == "device"
+    assert x.sharding.spec == state_spec(x.shape, 4)
+    assert x.addressable_shards[0].data.size == x.size // (4 if "fsdp" in x.sharding.spec else 1)
+  assert any("fsdp" in x.sharding.spec for x in jax.tree.leaves(state["outer"]))
 
 
 # ---- bytes -------------------------------------------------------------------------------------------------------
 
 def test_each_group_is_gathered_once_and_reduced_once_per_step_with_the_documented_bytes():
   """data 2 x fsdp 4, bf16 compute, everything on the host, 2 sub-batches: the sub-batch calls communicate nothing;
-  between devices: one all-gather per group and pass, one reduce per group, one all-reduce of embeddings + head
-  (see sljax/schedule.py); over PCIe each data replica moves its own copy of the shards."""
+  between devices: one all-gather per group and pass, one reduce per group, one all-gather and one reduce of the
+  embeddings + head (see sljax/schedule.py); over PCIe each data replica moves its own copy of the shards."""
   d, f = 2, 4
   n = d * f
   model = tiny_model("bfloat16")
@@ -162,11 +166,15 @@ def test_each_group_is_gathered_once_and_reduced_once_per_step_with_the_document
   groups = len(engine.groups)
   weights = tree_bytes(state["groups"][0]["weights"])  # bf16 (deleted arrays still know their shapes)
   fp32 = tree_bytes(state["groups"][0]["master"])
-  outer = tree_bytes(params["outer"])
+  outer_leaves = jax.tree.leaves(params["outer"])
+  split = sum(x.nbytes for x in outer_leaves if "fsdp" in state_spec(x.shape, f))  # embeddings + head shards
+  whole = sum(x.nbytes for x in outer_leaves) - split  # leaves fsdp divides in no dimension
   frac = fractions.Fraction
   per_device = (frac(f - 1, f) * (2 * groups - 1) * weights
                 + groups * (frac(f - 1, f) + frac(2 * (d - 1), d * f)) * fp32
-                + frac(2 * (n - 1), n) * (outer + 4))
+                + frac(f - 1, f) * split  # embeddings + head gathered once
+                + (frac(f - 1, f) + frac(2 * (d - 1), d * f)) * split + frac(2 * (n - 1), n) * whole  # their grads
+                + frac(2 * (n - 1), n) * 4)  # the loss
   assert moved["between_devices"] == n * per_device
 
   single = Engine(model, optax.adamw(1e-3), cfg, Placement.single())
