@@ -9,6 +9,7 @@ activation placement), so tokens/s per GPU over the one-GPU case's is the weak-s
   data_parallel   mesh data:G    state replicated: every GPU's host holds a full copy; gradient all-reduce per group
   fsdp            mesh fsdp:G    state split over the GPUs: each group costs 1/G of the device memory, so G times as
                                  many groups keep their state on the device (--fsdp_device_state_groups)
+Each case runs in its own process (--process_per_case): XLA's pinned-host pool keeps what an earlier case grew it to.
 Recorded per case: tokens/s (total, per GPU), MFU per GPU, step times, losses, bytes per step between GPUs (ring
 collectives, sljax.memory) and over PCIe (total and per GPU), peak device memory per GPU.
 """
@@ -26,6 +27,8 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -43,6 +46,9 @@ from sljax.schedule import Engine  # noqa: E402
 
 flags.DEFINE_string("out", "", "Write the results JSON here (rewritten after every case).")
 flags.DEFINE_bool("smoke", False, "Tiny model on CPU devices: checks every code path in a few minutes.")
+flags.DEFINE_bool("process_per_case", True, "Run each case in a fresh process. XLA's pinned-host pool never shrinks, "
+                  "so a case run after another starts with the first one's pool (data parallel then ran out of host "
+                  "memory).")
 flags.DEFINE_list("cases", "one_gpu,data_parallel,fsdp", "Which cases to run, in order.")
 flags.DEFINE_integer("gpus", 2, "GPUs of the data-parallel and FSDP cases.")
 flags.DEFINE_string("model", "llama13b", "Model preset.")
@@ -55,6 +61,7 @@ flags.DEFINE_integer("fsdp_device_state_groups", -1, "Groups keeping their state
 FLAGS = flags.FLAGS
 
 RESULTS = []
+FACTS = {}
 
 
 def batch_of(rows, seq, vocab, seed=0):
@@ -101,28 +108,58 @@ def run_case(name, model, engine_cfg, place, rows_per_gpu, seq, steps):
   return result
 
 
-def keep(result, model_name):
-  """Records a case, adds weak-scaling efficiencies, and rewrites the JSON (a crash later keeps what ran)."""
+def keep(result, facts=None):
+  """Records a case, adds weak-scaling efficiencies, and rewrites the JSON (a crash later keeps what ran). `facts`:
+  the device facts of the process that ran the case (default: this one's)."""
   RESULTS.append(result)
-  one = next((r for r in RESULTS if r["case"] == "one_gpu"), None)
+  one = next((r for r in RESULTS if r["case"] == "one_gpu" and "tokens_per_s_per_gpu" in r), None)
   for r in RESULTS:
-    if one:
+    if one and "tokens_per_s_per_gpu" in r:
       r["weak_scaling_efficiency"] = r["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
-  devices = jax.devices()
-  out = {
-      "command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "device": devices[0].device_kind, "devices": len(devices), "jax": jax.__version__, "optax": optax.__version__,
-      "python": platform.python_version(), "model": model_name, "results": RESULTS,
-      "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
-                                              "XLA_FLAGS")}}
+  if facts is None:
+    devices = jax.devices()
+    facts = {"device": devices[0].device_kind, "devices": len(devices), "jax": jax.__version__,
+             "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                                     "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "XLA_FLAGS")}}
+  if facts:
+    FACTS.update(facts)
+  out = {"command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), **FACTS,
+         "optax": optax.__version__, "python": platform.python_version(), "model": FLAGS.model, "results": RESULTS}
   if FLAGS.out:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     with open(FLAGS.out, "w") as f:
       json.dump(out, f, indent=1)
 
 
+def run_in_child(name):
+  """Runs one case in a fresh process (this script with --cases=name); (its result, or a failure record with the
+  child's exit status and last output lines; the child's device facts, or {} when it failed)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, f"{name}.json")
+    argv = [sys.executable, os.path.abspath(__file__),
+            *[a for a in sys.argv[1:] if not a.startswith(("--cases=", "--out="))], f"--cases={name}", f"--out={out}"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = []
+    for line in proc.stdout:
+      sys.stdout.write(line)
+      tail = (tail + [line.rstrip()] if line.strip() else tail)[-5:]
+    if proc.wait() == 0 and os.path.exists(out):
+      with open(out) as f:
+        child = json.load(f)
+      return child["results"][0], {k: child[k] for k in ("device", "devices", "jax", "env")}
+  print(f"{name}: failed with exit status {proc.returncode}", flush=True)
+  return {"case": name, "status": "failed", "exit_status": proc.returncode, "output_tail": tail}, {}
+
+
 def main(argv):
   del argv
+  unknown = sorted(set(FLAGS.cases) - {"one_gpu", "data_parallel", "fsdp"})
+  if unknown:
+    raise app.UsageError(f"unknown case(s) {', '.join(unknown)}: choose from one_gpu, data_parallel, fsdp")
+  if FLAGS.process_per_case and len(FLAGS.cases) > 1:  # this process never starts a backend: the children own the GPUs
+    for name in FLAGS.cases:
+      keep(*run_in_child(name))
+    return
   # XLA's GPU client has one pinned-host pool (GiB, grows by doubling regions up to this cap). Data parallel keeps a
   # full copy of the host-resident state per GPU, so the pool must hold --gpus of them; a cap of 200 let the pool grow
   # past what a 256 GiB machine could back (the process was killed). Set before the backend starts.
@@ -157,7 +194,7 @@ def main(argv):
     mesh = make_mesh(shape, jax.devices()[:shape["data"] * shape["fsdp"]])
     result = run_case(name, model, case_cfg, Placement(mesh), rows, seq, FLAGS.steps)
     result["plan"] = plan.describe()
-    keep(result, FLAGS.model)
+    keep(result)
 
 
 if __name__ == "__main__":
