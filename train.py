@@ -82,7 +82,8 @@ flags.DEFINE_integer("distributed_timeout_s", 300, "Several hosts: give up when 
                      "not joined after this many seconds.")
 flags.DEFINE_bool("plan", False, "Print the offload engine's plan (placement, bytes per tier, step-time bound), exit.")
 flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit).")
-flags.DEFINE_float("host_memory_gib", 0, "Pinned host memory the plan may use (0: 90% of RAM).")
+flags.DEFINE_float("host_memory_gib", 0, "Pinned host memory this process may use, split evenly among its devices "
+                   "(0: 90% of RAM).")
 
 FLAGS = flags.FLAGS
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -139,14 +140,18 @@ def choose_engine(model_cfg, data_cfg, optim_cfg, mesh) -> tuple:
   # Each group's backward recomputes the group's forward: per-layer remat inside it would recompute twice.
   model_cfg = dataclasses.replace(model_cfg, remat=False)
   budget = default_budget(device)
+  # The host budget is this process's: each of its devices keeps its own share of the host-resident state in pinned
+  # memory (a whole copy under pure data parallel), so each device plans with an equal part of it.
+  local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
   budget = Budget(int(FLAGS.device_memory_gib * GIB) or budget.device_bytes,
-                  int(FLAGS.host_memory_gib * GIB) or budget.host_bytes)
+                  (int(FLAGS.host_memory_gib * GIB) or budget.host_bytes) // local)
   # The plan sizes one device's work: its rows of the batch (the mesh splits every sub-batch over all devices) and
   # its 1/fsdp share of the layer state.
   plan = make_plan(build(model_cfg), data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, FLAGS.sub_batches,
                    FLAGS.live_layers, jax.numpy.dtype(optim_cfg.moments_dtype).itemsize, optim_cfg.grad_clip_norm,
                    fsdp=mesh.shape["fsdp"])
-  print(f"plan for {model_name()}, batch {data_cfg.batch_size} x {data_cfg.seq_len}:\n{plan.describe()}")
+  per_device = f" (per device, {local} on this host)" if local > 1 else ""
+  print(f"plan for {model_name()}, batch {data_cfg.batch_size} x {data_cfg.seq_len}{per_device}:\n{plan.describe()}")
   return model_cfg, dataclasses.replace(plan.engine, int8_exchange=FLAGS.int8_exchange)
 
 

@@ -107,3 +107,12 @@ def test_training_starts_from_hugging_face_weights(tmp_path, engine):
   want = float(build(cfg).loss(params, source.batch(0)))
   assert abs(want - np.log(256)) > 0.1
   np.testing.assert_allclose(history[1], want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh,local", [("data:1", 1), ("data:2", 2), ("data:2,fsdp:2", 4)])
+def test_host_budget_is_split_among_the_process_devices(tmp_path, capsys, mesh, local):
+  # Every device keeps its own share of the host-resident state (a whole copy under data parallel): one process's
+  # --host_memory_gib must not be promised to each of its devices.
+  train_in_process(tmp_path, "--plan", "--engine=offload", "--batch_size=8", f"--mesh={mesh}", "--host_memory_gib=6")
+  host_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("host:")]
+  assert len(host_lines) == 1 and f" of {6 / local:.1f} GiB" in host_lines[0], host_lines
