@@ -8,6 +8,7 @@ below only expose them. A run resumes from the newest checkpoint in --workdir.
 """
 
 import dataclasses
+import glob
 import logging as std_logging
 import os
 
@@ -139,12 +140,12 @@ def choose_engine(model_cfg, data_cfg, optim_cfg, mesh) -> tuple:
     return model_cfg, None
   # Each group's backward recomputes the group's forward: per-layer remat inside it would recompute twice.
   model_cfg = dataclasses.replace(model_cfg, remat=False)
-  budget = default_budget(device)
   # The host budget is this process's: each of its devices keeps its own share of the host-resident state in pinned
   # memory (a whole copy under pure data parallel), so each device plans with an equal part of it.
   local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  budget = default_budget(device, sharing=local)
   budget = Budget(int(FLAGS.device_memory_gib * GIB) or budget.device_bytes,
-                  (int(FLAGS.host_memory_gib * GIB) or budget.host_bytes) // local)
+                  int(FLAGS.host_memory_gib * GIB) // local or budget.host_bytes)
   # The plan sizes one device's work: its rows of the batch (the mesh splits every sub-batch over all devices) and
   # its 1/fsdp share of the layer state.
   plan = make_plan(build(model_cfg), data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, FLAGS.sub_batches,
@@ -199,15 +200,24 @@ def main(argv):
 
 
 def set_pinned_pool():
-  """XLA's GPU pinned host pool defaults to 64 GB and grows by doubling regions; before the backend starts, size it
-  to the plan's host budget (--host_memory_gib) or 3/4 of RAM, so that host-resident state fits but the pool's
-  growth cannot take the whole machine."""
+  """XLA gives each GPU its own pinned host pool (64 GiB by default), which grows by doubling regions and never
+  shrinks; before the backend starts, cap each GPU's at its share of --host_memory_gib (or of 3/4 of RAM) plus 10%,
+  so that host-resident state fits but the pools' growth cannot take the whole machine."""
   if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in os.environ:
     return
   with open("/proc/meminfo") as f:
-    ram_gb = int(dict(line.split(":", 1) for line in f)["MemTotal"].split()[0]) * 1024 / 1e9
-  pool_gb = FLAGS.host_memory_gib * GIB / 1e9 * 1.1 if FLAGS.host_memory_gib else 0.75 * ram_gb
-  os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(int(pool_gb))
+    ram = int(dict(line.split(":", 1) for line in f)["MemTotal"].split()[0]) * 1024
+  process_bytes = FLAGS.host_memory_gib * GIB * 1.1 if FLAGS.host_memory_gib else 0.75 * ram
+  os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(int(process_bytes / local_gpu_count() / GIB), 1))
+
+
+def local_gpu_count() -> int:
+  """The GPUs this process will see, counted without starting a backend (CUDA_VISIBLE_DEVICES, else the driver's
+  list); 1 where neither says."""
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:
+    return max(len([d for d in visible.split(",") if d.strip()]), 1)
+  return max(len(glob.glob("/proc/driver/nvidia/gpus/*")), 1)
 
 
 if __name__ == "__main__":

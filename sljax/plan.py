@@ -69,15 +69,16 @@ def _tier(name, parts, budget):
   return f"{name}: {sum(parts.values()) / GIB:.1f} of {budget / GIB:.1f} GiB ({items})"
 
 
-def default_budget(device: jax.Device | None = None) -> Budget:
-  """The allocator's limit on the accelerator; for pinned host memory 90% of RAM, capped on GPU by XLA's pinned pool
-  (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, 64 GB unless set)."""
+def default_budget(device: jax.Device | None = None, sharing: int = 1) -> Budget:
+  """One device's budget: the allocator's limit on the accelerator; for pinned host memory 90% of RAM over the
+  `sharing` devices of this process that keep host state side by side, capped on GPU by XLA's pinned pool, which
+  each device has for itself (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, 64 unless set)."""
   device = device or jax.devices()[0]
   with open("/proc/meminfo") as f:
-    host = int(int(dict(line.split(":", 1) for line in f)["MemTotal"].split()[0]) * 1024 * 0.9)
+    host = int(int(dict(line.split(":", 1) for line in f)["MemTotal"].split()[0]) * 1024 * 0.9) // sharing
   if device.platform == "cpu":
     return Budget(device_bytes=host // 2, host_bytes=host // 2)
-  pinned_pool = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * 10**9
+  pinned_pool = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * GIB
   return Budget(device_bytes=int(device.memory_stats()["bytes_limit"]), host_bytes=min(host, pinned_pool))
 
 

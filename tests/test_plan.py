@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from models.presets import build, get_config
 from sljax.memory import Placement
 from sljax.mesh import make_mesh
-from sljax.plan import GIB, Budget, make_plan
+from sljax.plan import GIB, Budget, default_budget, make_plan
 from sljax.schedule import Engine
 
 HUGE = Budget(device_bytes=1 << 50, host_bytes=1 << 50)
@@ -91,3 +91,8 @@ def test_plan_is_a_valid_engine_config():
   plan = make_plan(model, 8, 4, budget)
   assert dataclasses.replace(plan.engine).sub_batches * plan.sub_batch_size == 4
   assert "1 group(s) keep master weights" in plan.describe()
+
+
+def test_devices_sharing_a_host_split_its_memory():
+  one, four = default_budget(sharing=1), default_budget(sharing=4)
+  assert abs(four.host_bytes - one.host_bytes / 4) <= 1

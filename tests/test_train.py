@@ -116,3 +116,14 @@ def test_host_budget_is_split_among_the_process_devices(tmp_path, capsys, mesh, 
   train_in_process(tmp_path, "--plan", "--engine=offload", "--batch_size=8", f"--mesh={mesh}", "--host_memory_gib=6")
   host_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("host:")]
   assert len(host_lines) == 1 and f" of {6 / local:.1f} GiB" in host_lines[0], host_lines
+
+
+@pytest.mark.parametrize("visible,pool_gib", [("0", 110), ("0,1", 55), ("3,1,0,2", 27)])
+def test_each_gpu_pinned_pool_is_capped_at_its_share(monkeypatch, visible, pool_gib):
+  # XLA gives every GPU its own pinned pool: the cap is per GPU, so a process's budget is split among its GPUs.
+  monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["train.py", "--host_memory_gib=100"])
+  train.set_pinned_pool()
+  assert os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == str(pool_gib)
