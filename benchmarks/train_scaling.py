@@ -161,8 +161,9 @@ def main(argv):
       keep(*run_in_child(name))
     return
   # XLA gives each GPU its own pinned-host pool (GiB; grows by doubling regions up to this cap, never shrinks). Data
-  # parallel keeps a full copy of the host-resident state per GPU; capped at 178 GiB each, two pools took more host
-  # memory than the 256 GiB machine had. Cap each at the plan's per-GPU budget. Set before the backend starts.
+  # parallel keeps a full copy of the host-resident state per GPU; with a 178 GiB cap the run's host memory (log in
+  # benchmarks/results/) fit two pools doubling past what the 256 GiB machine had. Cap each at the plan's per-GPU
+  # budget. Set before the backend starts.
   os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(FLAGS.host_memory_gib * 1.05)))
   gpus, seq, rows = FLAGS.gpus, FLAGS.seq_len, FLAGS.rows_per_gpu
   overrides = {"remat": False}  # the engine's backward recomputes each group: no per-layer remat on top
