@@ -145,28 +145,37 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
       "activations in flight": 3 * (batch_size // sub_batch) * act,  # a group's inputs, outputs, gradients
       "compiled step peak": peak,
   }
+  # Clipping by the exact global norm holds every group's reduced gradient until the last one is known: a group whose
+  # state lives on the device parks it there, a host group in pinned host memory (a crossing each way).
+  parked = live * layer * 4 // fsdp if grad_clip_norm > 0 else 0
   free = budget.device_bytes - sum(fixed_device.values())
   if free < 0:
     raise ValueError(f"{sum(fixed_device.values()) / GIB:.1f} GiB of device memory is needed for one group's step "
                      f"(sub-batch {sub_batch} x {seq_len}), but the device has {budget.device_bytes / GIB:.1f} GiB; "
                      f"lower the sub-batch size or the sequence length")
 
-  if free >= groups * state_per_group + stash:  # everything fits: keep it all on the device, no PCIe traffic
+  per_device_group = state_per_group + parked
+  if free >= groups * per_device_group + stash:  # everything fits: keep it all on the device, no PCIe traffic
     on_host, device_groups = False, groups
   else:
-    on_host, device_groups = True, min(groups, max(0, free // state_per_group))
+    on_host, device_groups = True, min(groups, max(0, free // per_device_group))
   host_groups = groups - device_groups
   device_bytes = dict(fixed_device, **{"resident group state": device_groups * state_per_group,
                                        "activation stash": 0 if on_host else stash})
   host_weights = host_groups * weights_per_group // fsdp if compute_bytes != master_bytes else 0
   host_bytes = {"group weights": host_weights, "group state": host_groups * state_per_group,
                 "activation stash": stash if on_host else 0}
+  if parked:
+    device_bytes["parked grads (clipping)"] = device_groups * parked
+    host_bytes["parked grads (clipping)"] = host_groups * parked
   if sum(host_bytes.values()) > budget.host_bytes:
     needed = sum(host_bytes.values()) + sum(device_bytes.values())
     raise ValueError(
         f"training state and activations need {needed / GIB:.1f} GiB; the device has {budget.device_bytes / GIB:.1f} "
         f"GiB and pinned host memory {budget.host_bytes / GIB:.1f} GiB (host part needs "
-        f"{sum(host_bytes.values()) / GIB:.1f}); lower batch_size, or use bf16 moments (--moments_dtype=bfloat16)")
+        f"{sum(host_bytes.values()) / GIB:.1f}); lower batch_size, or use bf16 moments (--moments_dtype=bfloat16)"
+        + ("; or turn off clipping (--grad_clip_norm=0), which holds every gradient until the global norm is known"
+           if parked else ""))
 
   shard = weights_per_group // fsdp  # one host group's weight copy on this device
   # A host group's weights cross twice (forward, backward) but the last group's once (it runs both in one pass);
@@ -174,8 +183,8 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   # (one hidden state per row: a level). The token batch (a few bytes per token) is left out.
   level = batch_size * seq_len * m.hidden_size * compute_bytes if on_host else 0
   crossings = 2 * host_groups - (1 if host_groups == groups else 0)
-  h2d = crossings * shard + host_groups * state_per_group + (groups - 1) * level
-  d2h = host_groups * (shard + state_per_group) + (groups - 1) * level
+  h2d = crossings * shard + host_groups * (state_per_group + parked) + (groups - 1) * level
+  d2h = host_groups * (shard + state_per_group + parked) + (groups - 1) * level
   tokens = batch_size * seq_len
   flops = tokens * m.flops_per_token(seq_len) * 4 / 3  # backward recomputes each group's forward
   return Plan(

@@ -23,25 +23,26 @@ def tiny_model(layers, hidden):
                                              num_heads=2, num_kv_heads=2, dtype="bfloat16", remat=False)))
 
 
-def budget_keeping(model, seq, rows, fsdp, device_groups, sub_batches=0):
-  """A device budget with room for the plan's fixed parts and exactly `device_groups` groups' state."""
-  everything = make_plan(model, seq, rows, HUGE, sub_batches=sub_batches, fsdp=fsdp)
+def budget_keeping(model, seq, rows, fsdp, device_groups, sub_batches=0, clip=0.0):
+  """A device budget with room for the plan's fixed parts and exactly `device_groups` groups' state (and, clipping,
+  their parked gradients)."""
+  everything = make_plan(model, seq, rows, HUGE, sub_batches=sub_batches, fsdp=fsdp, grad_clip_norm=clip)
   assert not everything.engine.activations_on_host  # the huge budget keeps it all on the device
   groups = everything.engine.device_state_groups
-  per_group = everything.device_bytes["resident group state"] // groups
-  fixed = sum(everything.device_bytes.values()) - everything.device_bytes["resident group state"] \
-      - everything.device_bytes["activation stash"]
+  per_group_kinds = ("resident group state", "parked grads (clipping)")
+  per_group = sum(everything.device_bytes.get(kind, 0) for kind in per_group_kinds) // groups
+  fixed = sum(everything.device_bytes.values()) - groups * per_group - everything.device_bytes["activation stash"]
   return Budget(device_bytes=fixed + device_groups * per_group + per_group // 2, host_bytes=1 << 40), groups
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers=st.integers(2, 4), hidden=st.sampled_from([16, 32]), fsdp=st.sampled_from([1, 2]),
-       sub_batches=st.sampled_from([1, 2]), keep=st.integers(0, 3))
-def test_planned_bytes_per_step_are_what_the_engine_moves(layers, hidden, fsdp, sub_batches, keep):
+       sub_batches=st.sampled_from([1, 2]), keep=st.integers(0, 3), clip=st.sampled_from([0.0, 1.0]))
+def test_planned_bytes_per_step_are_what_the_engine_moves(layers, hidden, fsdp, sub_batches, keep, clip):
   seq, rows = 8, 2 * sub_batches  # rows: one device's share
   model = tiny_model(layers, hidden)
-  budget, groups = budget_keeping(model, seq, rows, fsdp, min(keep, layers - 1), sub_batches)
-  plan = make_plan(model, seq, rows, budget, sub_batches=sub_batches, fsdp=fsdp)
+  budget, groups = budget_keeping(model, seq, rows, fsdp, min(keep, layers - 1), sub_batches, clip)
+  plan = make_plan(model, seq, rows, budget, sub_batches=sub_batches, fsdp=fsdp, grad_clip_norm=clip)
   assert plan.engine.activations_on_host and plan.engine.device_state_groups == min(keep, layers - 1)
   assert sum(plan.device_bytes.values()) <= budget.device_bytes
 
@@ -96,3 +97,14 @@ def test_plan_is_a_valid_engine_config():
 def test_devices_sharing_a_host_split_its_memory():
   one, four = default_budget(sharing=1), default_budget(sharing=4)
   assert abs(four.host_bytes - one.host_bytes / 4) <= 1
+
+
+def test_clipping_parks_each_groups_gradient_where_its_state_lives():
+  model = tiny_model(6, 32)
+  budget, groups = budget_keeping(model, 8, 4, 1, 2)  # room for 2 groups' state without clipping
+  plain, clipped = make_plan(model, 8, 4, budget), make_plan(model, 8, 4, budget, grad_clip_norm=1.0)
+  assert plain.engine.device_state_groups == 2 and clipped.engine.device_state_groups == 1  # state + grads: 16/12
+  parked = model.cfg.layer_param_count() * 4  # one group's fp32 gradient
+  assert clipped.device_bytes["parked grads (clipping)"] == parked
+  assert clipped.host_bytes["parked grads (clipping)"] == (groups - 1) * parked
+  assert sum(clipped.device_bytes.values()) <= budget.device_bytes
