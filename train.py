@@ -21,11 +21,11 @@ from absl import app, flags, logging
 
 from models.hf import HFWeights
 from models.presets import PRESETS, build, get_config, parse_overrides
-from sljax import trainer
+from sljax import metrics, trainer
 from sljax.checkpoint import CheckpointCorruptError, CheckpointMismatchError
 from sljax.data import DataConfig, make_source
 from sljax.mesh import check_batch, initialize_distributed, make_mesh
-from sljax.optim import OptimConfig
+from sljax.optim import OptimConfig, make_optimizer
 from sljax.plan import GIB, Budget, default_budget, make_plan
 from sljax.trainer import RunConfig
 
@@ -153,7 +153,7 @@ def choose_engine(model_cfg, data_cfg, optim_cfg, mesh) -> tuple:
   # The plan sizes one device's work: its rows of the batch (the mesh splits every sub-batch over all devices) and
   # its 1/fsdp share of the layer state.
   plan = make_plan(build(model_cfg), data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, FLAGS.sub_batches,
-                   FLAGS.live_layers, jax.numpy.dtype(optim_cfg.moments_dtype).itemsize, optim_cfg.grad_clip_norm,
+                   FLAGS.live_layers, make_optimizer(optim_cfg, clip=False), optim_cfg.grad_clip_norm,
                    fsdp=mesh.shape["fsdp"])
   per_device = f" (per device, {local} on this host)" if local > 1 else ""
   print(f"plan for {model_name()}, batch {data_cfg.batch_size} x {data_cfg.seq_len}{per_device}:\n{plan.describe()}")
@@ -167,6 +167,7 @@ def run() -> dict[int, float]:
     model_cfg, data_cfg, optim_cfg, run_cfg, weights = configs_from_flags()
     if not FLAGS.plan:
       trainer.check_workdir(run_cfg.workdir)
+      metrics.check_logger()
     source = make_source(data_cfg, model_cfg.max_positions, model_cfg.vocab_size)
     mesh = make_mesh(FLAGS.mesh)
     check_batch(data_cfg.batch_size, 1, mesh)

@@ -1,5 +1,6 @@
 """Throughput and MFU, TensorBoard scalars, and the progress-bar line."""
 
+import importlib.util
 import os
 
 import jax
@@ -26,6 +27,13 @@ def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, device: j
 def progress_description(loss: float, tokens_per_s: float, utilization: float | None) -> str:
   mfu_text = "n/a" if utilization is None else f"{100 * utilization:.1f}%"
   return f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {mfu_text}"
+
+
+def check_logger():
+  """Raises ValueError when the TensorBoard writer is missing (checked before a run allocates anything: the Logger
+  imports it only when training starts)."""
+  if importlib.util.find_spec("tensorboardX") is None:
+    raise ValueError("tensorboardX is not installed, and training logs to TensorBoard: pip install -r requirements.txt")
 
 
 class Logger:

@@ -102,15 +102,24 @@ def _peak_step_bytes(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> 
   return max(peaks)
 
 
+def optimizer_bytes_per_param(optimizer: optax.GradientTransformation, dtype=jnp.float32) -> float:
+  """Bytes of optimizer state per parameter of `dtype`, from optimizer.init's shapes (nothing is allocated). AdamW:
+  8, or 6 with a bf16 first moment (optax keeps the second in the params' dtype)."""
+  size = lambda n: sum(x.size * x.dtype.itemsize
+                       for x in jax.tree.leaves(jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((n,), dtype))))
+  return (size(2048) - size(1024)) / 1024  # per-parameter leaves only: scalars such as the step count cancel
+
+
 def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches: int = 0, live_layers: int = 0,
-              moments_bytes: int = 4, grad_clip_norm: float = 0.0, sub_batch_tokens: int = 16384,
-              fsdp: int = 1) -> Plan:
+              optimizer: optax.GradientTransformation | None = None, grad_clip_norm: float = 0.0,
+              sub_batch_tokens: int = 16384, fsdp: int = 1) -> Plan:
   """Chooses the engine's settings for one device; 0 for sub_batches / live_layers means "choose". ValueError when it
   cannot fit.
 
   batch_size is this device's rows (the mesh splits every sub-batch over all devices) and the budgets are one
   device's. fsdp: devices the layer state is split over; each holds 1/fsdp of every group's master weights,
-  optimizer state and host weight copy, and gathers a group's whole weights only while it runs."""
+  optimizer state and host weight copy, and gathers a group's whole weights only while it runs. optimizer: the one the
+  engine will run, whose state is sized per parameter (default: AdamW with fp32 moments, 8 bytes)."""
   m: ModelConfig = model.cfg
   if sub_batches:
     if batch_size % sub_batches:
@@ -124,7 +133,8 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   compute_bytes = jnp.dtype(m.dtype).itemsize
   master_bytes = jnp.dtype(m.param_dtype).itemsize
   layer = m.layer_param_count()
-  state_per_group = live * layer * (master_bytes + 2 * moments_bytes) // fsdp  # fp32 master + two moments (AdamW)
+  opt_bytes = 8 if optimizer is None else optimizer_bytes_per_param(optimizer, m.param_dtype)
+  state_per_group = int(live * layer * (master_bytes + opt_bytes)) // fsdp  # master weights + optimizer state
   weights_per_group = live * layer * compute_bytes  # gathered whole on every device while the group runs
   act = sub_batch * seq_len * m.hidden_size * compute_bytes
   stash = (groups - 1) * (batch_size // sub_batch) * act  # every group's input but the last group's
@@ -134,8 +144,8 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   fixed_device = {
       # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
       # per step) and the per-device gradient accumulator.
-      "embeddings+head (params, moments, grads)": m.outer_param_count() * (
-          (master_bytes + 2 * moments_bytes + 4) // fsdp + (master_bytes + 4 if fsdp > 1 else 0)),
+      "embeddings+head (params, moments, grads)": int(m.outer_param_count() * (
+          (master_bytes + opt_bytes + 4) / fsdp + (master_bytes + 4 if fsdp > 1 else 0))),
       "group weights (2 in flight)": 2 * weights_per_group + (weights_per_group // fsdp if fsdp > 1 else 0),
       # In backward one group's gradients accumulate (whole, on every device) while the next group's wait, reduced to
       # this device's shard, for its deferred update.

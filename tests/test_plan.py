@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from models.presets import build, get_config
 from sljax.memory import Placement
 from sljax.mesh import make_mesh
-from sljax.plan import GIB, Budget, default_budget, make_plan
+from sljax.plan import GIB, Budget, default_budget, make_plan, optimizer_bytes_per_param
 from sljax.schedule import Engine
 
 HUGE = Budget(device_bytes=1 << 50, host_bytes=1 << 50)
@@ -23,10 +23,11 @@ def tiny_model(layers, hidden):
                                              num_heads=2, num_kv_heads=2, dtype="bfloat16", remat=False)))
 
 
-def budget_keeping(model, seq, rows, fsdp, device_groups, sub_batches=0, clip=0.0):
+def budget_keeping(model, seq, rows, fsdp, device_groups, sub_batches=0, clip=0.0, optimizer=None):
   """A device budget with room for the plan's fixed parts and exactly `device_groups` groups' state (and, clipping,
   their parked gradients)."""
-  everything = make_plan(model, seq, rows, HUGE, sub_batches=sub_batches, fsdp=fsdp, grad_clip_norm=clip)
+  everything = make_plan(model, seq, rows, HUGE, sub_batches=sub_batches, fsdp=fsdp, grad_clip_norm=clip,
+                         optimizer=optimizer)
   assert not everything.engine.activations_on_host  # the huge budget keeps it all on the device
   groups = everything.engine.device_state_groups
   per_group_kinds = ("resident group state", "parked grads (clipping)")
@@ -37,17 +38,20 @@ def budget_keeping(model, seq, rows, fsdp, device_groups, sub_batches=0, clip=0.
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers=st.integers(2, 4), hidden=st.sampled_from([16, 32]), fsdp=st.sampled_from([1, 2]),
-       sub_batches=st.sampled_from([1, 2]), keep=st.integers(0, 3), clip=st.sampled_from([0.0, 1.0]))
-def test_planned_bytes_per_step_are_what_the_engine_moves(layers, hidden, fsdp, sub_batches, keep, clip):
+       sub_batches=st.sampled_from([1, 2]), keep=st.integers(0, 3), clip=st.sampled_from([0.0, 1.0]),
+       moments=st.sampled_from(["float32", "bfloat16"]))
+def test_planned_bytes_per_step_are_what_the_engine_moves(layers, hidden, fsdp, sub_batches, keep, clip, moments):
   seq, rows = 8, 2 * sub_batches  # rows: one device's share
   model = tiny_model(layers, hidden)
-  budget, groups = budget_keeping(model, seq, rows, fsdp, min(keep, layers - 1), sub_batches, clip)
-  plan = make_plan(model, seq, rows, budget, sub_batches=sub_batches, fsdp=fsdp, grad_clip_norm=clip)
+  optimizer = optax.adamw(1e-3, mu_dtype=moments)
+  budget, groups = budget_keeping(model, seq, rows, fsdp, min(keep, layers - 1), sub_batches, clip, optimizer)
+  plan = make_plan(model, seq, rows, budget, sub_batches=sub_batches, fsdp=fsdp, grad_clip_norm=clip,
+                   optimizer=optimizer)
   assert plan.engine.activations_on_host and plan.engine.device_state_groups == min(keep, layers - 1)
   assert sum(plan.device_bytes.values()) <= budget.device_bytes
 
   place = Placement(make_mesh({"data": 1, "fsdp": fsdp}, jax.devices()[:fsdp]))
-  engine = Engine(model, optax.adamw(1e-3), plan.engine, place)
+  engine = Engine(model, optimizer, plan.engine, place)
   state = engine.init(jax.random.key(0))
   total_rows = rows * fsdp  # every sub-batch is split over all devices
   tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (total_rows, seq + 1)).astype(np.int32)
@@ -108,3 +112,13 @@ def test_clipping_parks_each_groups_gradient_where_its_state_lives():
   assert clipped.device_bytes["parked grads (clipping)"] == parked
   assert clipped.host_bytes["parked grads (clipping)"] == (groups - 1) * parked
   assert sum(clipped.device_bytes.values()) <= budget.device_bytes
+
+
+def test_optimizer_state_is_sized_from_the_optimizer():
+  assert optimizer_bytes_per_param(optax.adamw(1e-3)) == 8
+  assert optimizer_bytes_per_param(optax.adamw(1e-3, mu_dtype="bfloat16")) == 6  # optax keeps nu in fp32
+  assert optimizer_bytes_per_param(optax.sgd(1e-3)) == 0
+  model = tiny_model(4, 32)
+  fp32 = make_plan(model, 8, 4, HUGE, optimizer=optax.adamw(1e-3))
+  bf16 = make_plan(model, 8, 4, HUGE, optimizer=optax.adamw(1e-3, mu_dtype="bfloat16"))
+  assert bf16.device_bytes["resident group state"] * 12 == fp32.device_bytes["resident group state"] * 10

@@ -79,6 +79,15 @@ def test_bad_requests_exit_with_one_line_and_write_nothing(tmp_path, message):
   assert not workdir.exists()
 
 
+def test_a_missing_tensorboard_writer_is_refused_before_the_run(tmp_path, monkeypatch):
+  find_spec = train.metrics.importlib.util.find_spec
+  monkeypatch.setattr(train.metrics.importlib.util, "find_spec",
+                      lambda name, *args: None if name == "tensorboardX" else find_spec(name, *args))
+  with pytest.raises(SystemExit, match="^sljax: tensorboardX is not installed"):
+    train_in_process(tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("engine", [["--engine=device"], ["--engine=offload", "--sub_batches=2", "--live_layers=1"]],
                          ids=["device", "offload"])
 def test_training_starts_from_hugging_face_weights(tmp_path, engine):
