@@ -11,8 +11,7 @@ One step, top to bottom (see `Engine.step`):
   embedding backward per sub-batch; update the embeddings and head
 
 The loop is plain Python that dispatches jitted calls asynchronously; every transfer is issued ahead of its use
-(`sljax.memory.prefetch`), so copies run while the previous item computes. Nothing in it waits for the device, but
-with clipping the updates parked until the end of the step are kept to PARKED_UPDATES_IN_FLIGHT at a time.
+(`sljax.memory.prefetch`), so copies run while the previous item computes. Nothing in it waits for the device.
 
 Over a mesh (sljax.mesh: axes data x fsdp, d x f = n devices) every sub-batch is split over all n devices, and each
 group's weights, master weights and optimizer state are split over fsdp (each device's pinned host memory holds its
@@ -58,7 +57,6 @@ class EngineConfig:
 
 # Replaced host buffers are freed this many retirements (about two layer groups) after their last copy was issued.
 RETIRE_LAG = 4
-PARKED_UPDATES_IN_FLIGHT = 2  # clipping: updates issued at the end of a step, ahead of the device (see Engine.step)
 
 
 def _add(acc, grads):
@@ -316,15 +314,8 @@ class Engine:
     if parked:  # clipping: every gradient is known only now, so the parked updates run here
       norm = jnp.sqrt(sum(sq for *_, sq in parked) + self._sq_norm(outer_grads))
       ok = ok & jnp.isfinite(norm)
-      in_flight = collections.deque()
       for g, incoming, grads, _ in parked:
-        # A copy's device buffer is allocated when the copy is issued, and no compute paces this loop: the wait
-        # keeps the host groups' state and gradients on the device to the few the plan budgets ("group state in
-        # update"), not all of them at once.
-        if len(in_flight) == PARKED_UPDATES_IN_FLIGHT:
-          jax.block_until_ready(in_flight.popleft())
         new_groups[g] = self._apply(g, self._take(incoming), self._take(grads), norm, ok)
-        in_flight.append(new_groups[g])
     new_outer, new_outer_opt = self._update(state["outer"], state["outer_opt"], outer_grads, norm, ok)
     new_state = {"step": state["step"] + ok.astype(jnp.int32), "outer": new_outer, "outer_opt": new_outer_opt,
                  "groups": new_groups}
