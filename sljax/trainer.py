@@ -28,6 +28,7 @@ from sljax.data import Source
 from sljax.memory import Placement
 from sljax.mesh import PER_DEVICE
 from sljax.optim import OptimConfig, learning_rate_schedule, make_optimizer
+from sljax.plan import optimizer_bytes_per_param
 from sljax.schedule import EngineConfig
 
 PROFILE_STEPS = 3  # steps traced by --profile, starting after the first (compiling) step of the run
@@ -118,10 +119,10 @@ def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
 
 
 def training_state_bytes(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> int:
-  """Master weights, gradients and Adam's two moments; activations come on top."""
+  """Master weights, gradients and the optimizer's state; activations come on top."""
   param_bytes = jnp.dtype(model_cfg.param_dtype).itemsize
-  per_param = 3 * param_bytes + jnp.dtype(optim_cfg.moments_dtype).itemsize  # optax keeps nu in the params' dtype
-  return model_cfg.param_count() * per_param
+  per_param = 2 * param_bytes + optimizer_bytes_per_param(make_optimizer(optim_cfg), model_cfg.param_dtype)
+  return int(model_cfg.param_count() * per_param)
 
 
 def memory_available(device: jax.Device) -> int | None:
