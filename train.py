@@ -22,7 +22,7 @@ from absl import app, flags, logging
 from models.hf import HFWeights
 from models.presets import PRESETS, build, get_config, parse_overrides
 from sljax import metrics, trainer
-from sljax.checkpoint import CheckpointCorruptError, CheckpointMismatchError
+from sljax.checkpoint import CheckpointCorruptError, CheckpointMismatchError, CheckpointWriteError, DiskSpaceError
 from sljax.data import DataConfig, make_source
 from sljax.mesh import check_batch, initialize_distributed, make_mesh
 from sljax.optim import OptimConfig, make_optimizer
@@ -61,7 +61,7 @@ flags.DEFINE_string("moments_dtype", OPTIM.moments_dtype, "dtype of Adam's first
 
 flags.DEFINE_integer("steps", RUN.steps, "Total optimizer steps (a resumed run counts the restored ones).")
 flags.DEFINE_string("workdir", RUN.workdir, "Checkpoints, TensorBoard, profile (default: runs/<model>).")
-flags.DEFINE_integer("checkpoint_every", RUN.checkpoint_every, "Save a checkpoint every this many steps.")
+flags.DEFINE_integer("checkpoint_every", RUN.checkpoint_every, "Save a checkpoint every this many steps (0: no checkpoints).")
 flags.DEFINE_integer("keep_checkpoints", RUN.keep_checkpoints, "Newest checkpoints kept.")
 flags.DEFINE_integer("log_every", RUN.log_every, "Log throughput and refresh the progress bar every this many steps.")
 flags.DEFINE_bool("profile", RUN.profile, f"Trace {trainer.PROFILE_STEPS} steps into <workdir>/profile.")
@@ -187,7 +187,7 @@ def run() -> dict[int, float]:
                          init_params=weights)
   except CheckpointMismatchError as error:
     raise SystemExit(f"sljax: {error}; use another --workdir") from None
-  except (CheckpointCorruptError, trainer.Diverged) as error:
+  except (CheckpointCorruptError, CheckpointWriteError, DiskSpaceError, trainer.Diverged) as error:
     raise SystemExit(f"sljax: {error}") from None
 
 

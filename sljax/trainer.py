@@ -23,7 +23,7 @@ from models.common import params_reader
 from models.config import ModelConfig
 from models.presets import build
 from sljax import metrics, schedule
-from sljax.checkpoint import Checkpointer
+from sljax.checkpoint import Checkpointer, check_disk, state_bytes
 from sljax.data import Source
 from sljax.memory import Placement
 from sljax.mesh import PER_DEVICE
@@ -40,7 +40,7 @@ class RunConfig:
 
   steps: int = 300  # total optimizer steps, counting those done before a resume
   workdir: str = ""  # checkpoints/, tb/, profile/; "": runs/<model>
-  checkpoint_every: int = 100
+  checkpoint_every: int = 100  # 0: no checkpoints at all (nothing to resume from)
   keep_checkpoints: int = 2
   log_every: int = 10
   profile: bool = False  # write a jax.profiler trace of PROFILE_STEPS steps into workdir/profile
@@ -48,9 +48,11 @@ class RunConfig:
   loss_log: str = ""  # append {"step", "loss"} JSON lines here at every sync; "": none
 
   def __post_init__(self):
-    for field in ("steps", "checkpoint_every", "keep_checkpoints", "log_every", "stop_after_bad_steps"):
+    for field in ("steps", "keep_checkpoints", "log_every", "stop_after_bad_steps"):
       if getattr(self, field) < 1:
         raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+    if self.checkpoint_every < 0:
+      raise ValueError(f"checkpoint_every must be >= 0 (0: no checkpoints), got {self.checkpoint_every}")
 
 
 class Diverged(RuntimeError):
@@ -206,9 +208,12 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
   `mesh` spreads either over several devices (sljax.mesh). A run with no checkpoint yet starts from `init_params`
   (full-model params or a reader of them, e.g. models.hf.HFWeights) when given, else from a random init.
 
-  The loop waits for the device only at sync points: every `log_every` steps, at each checkpoint, at the end and
-  after SIGTERM / SIGINT, which save and return early. Losses are checked there, before any save, so no checkpoint
-  holds a bad step's state; `stop_after_bad_steps` bad steps in a row raise Diverged.
+  The loop runs at most one step ahead of the device (it waits for step n-1's loss after dispatching step n), so
+  SIGTERM / SIGINT stop it after the step in flight, which it saves. It reads losses at sync points: every
+  `log_every` steps, at each checkpoint, at the end and after a signal. Losses are checked there, before any save,
+  so no checkpoint holds a bad step's state (and a save refuses a state with a non-finite value:
+  CheckpointWriteError); `stop_after_bad_steps` bad steps in a row raise Diverged. Before any step, ValueError when
+  the workdir's disk cannot hold the checkpoints the run will keep.
   """
   device = jax.devices()[0]
   if engine_cfg is None:
@@ -216,8 +221,11 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
   else:
     engine = offloaded(build(model_cfg), optim_cfg, engine_cfg, mesh)
   key = jax.random.key(source.cfg.seed)
-  checkpointer = Checkpointer(os.path.join(run_cfg.workdir, "checkpoints"), run_cfg.checkpoint_every,
-                              run_cfg.keep_checkpoints)
+  directory = os.path.join(run_cfg.workdir, "checkpoints")
+  if run_cfg.checkpoint_every:  # before anything is written: a run must not find out at its first save
+    check_disk(directory, state_bytes(engine.abstract(key)), run_cfg.keep_checkpoints,
+               saves=run_cfg.steps // run_cfg.checkpoint_every + 1)
+  checkpointer = Checkpointer(directory, run_cfg.checkpoint_every, run_cfg.keep_checkpoints)
 
   def newest_good_state() -> tuple[int, object, dict]:  # checkpoints are only ever saved from good states
     return checkpointer.restore_latest(engine.abstract(key)) or (
@@ -244,7 +252,7 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
   flops_per_token = model_cfg.flops_per_token(source.cfg.seq_len)
   profile_start = start + 1 if run_cfg.steps - start > 1 else start
   skipped = set(saved_meta.get("skipped_steps", []))
-  history, pending = {}, []
+  history, pending, previous_loss = {}, [], None
   window_start, window_steps = time.perf_counter(), 0
   step = start
   progress = tqdm(initial=start, total=run_cfg.steps, unit="step", disable=not lead)
@@ -262,6 +270,9 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
           loss = math.nan
         else:
           state, loss = engine.step(state, source.batch(step))  # dispatch is asynchronous: the loop runs ahead
+          if previous_loss is not None:  # by one step at most, so that a stop signal waits for one step only
+            jax.block_until_ready(previous_loss)
+          previous_loss = loss
         step += 1
         pending.append((step, loss))
         window_steps += 1
@@ -270,7 +281,7 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
           jax.block_until_ready(loss)
           jax.profiler.stop_trace()
         stopping = _any_process(stop.received is not None)
-        sync = (not history or step % run_cfg.log_every == 0 or step % run_cfg.checkpoint_every == 0
+        sync = (not history or step % run_cfg.log_every == 0 or checkpointer.due(step)
                 or step == run_cfg.steps or stopping or replaying_bad_step)
         if not sync:
           continue
@@ -290,7 +301,8 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
                               "skipped_steps": len(skipped)})
         logger.flush()
         if loss_log:
-          loss_log.writelines(json.dumps({"step": n, "loss": value}) + "\n" for n, value in losses.items())
+          loss_log.writelines(json.dumps({"step": n, "loss": value if math.isfinite(value) else None}) + "\n"
+                              for n, value in losses.items())
           loss_log.flush()
         if not history:
           logging.info("first step (compilation included): %.1f s, loss %.3f", seconds, losses[min(losses)])
@@ -321,8 +333,9 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
           break
       save(force=True)
       if stopping:
-        logging.warning("%s: stopped after step %d; saved %s/%d; the same command resumes",
-                        stop.received or "another process's stop signal", step, checkpointer.directory, step)
+        saved = (f"saved {checkpointer.directory}/{step}; the same command resumes" if run_cfg.checkpoint_every
+                 else "not saved (--checkpoint_every=0)")
+        logging.warning("%s: stopped after step %d; %s", stop.received or "another process's stop signal", step, saved)
   finally:
     progress.close()
     checkpointer.close()

@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
-from etils import epath
 
 import train
 from sljax import trainer
+from sljax.checkpoint import read_arrays
 from sljax.data import make_source
 from test_train import REPO, TINY, train_in_process
 
@@ -128,7 +127,7 @@ def copy_run(source, workdir) -> str:
 
 def test_corrupt_checkpoint_fails_with_one_line_naming_it(tmp_path, uninterrupted):
   newest = copy_run(uninterrupted["device"], tmp_path / "run")
-  with open(os.path.join(newest, "state", "_METADATA"), "r+b") as f:
+  with open(os.path.join(newest, "state", "manifest.json"), "r+b") as f:
     f.truncate(100)
   with pytest.raises(SystemExit) as error:
     train_in_process(tmp_path / "run", f"--steps={2 * STEPS}", "--checkpoint_every=3", *ENGINES["device"])
@@ -145,15 +144,9 @@ def test_checkpoint_of_another_model_fails_with_one_line_naming_it(tmp_path, uni
 
 
 def saved_states(workdir) -> dict[int, list[np.ndarray]]:
-  """Every checkpoint's training state, as numpy arrays, by step."""
-  states = {}
-  for name in os.listdir(workdir / "checkpoints"):
-    path = epath.Path(workdir / "checkpoints" / name / "state")
-    tree = ocp.PyTreeCheckpointHandler().metadata(path).tree
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    states[int(name)] = jax.tree.leaves(ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
-        restore_args=as_numpy)))
-  return states
+  """Every checkpoint's training state, as numpy arrays in manifest order, by step."""
+  return {int(name): list(read_arrays(str(workdir / "checkpoints" / name)).values())
+          for name in os.listdir(workdir / "checkpoints")}
 
 
 class BadBatches:
@@ -177,7 +170,7 @@ def test_bad_steps_are_skipped_never_saved_and_stop_the_run_when_in_a_row(tmp_pa
   assert str(stopped.value) == (f"sljax: steps 5-7, 3 in a row, had a non-finite loss or gradient: stopped (newest "
                                 f"checkpoint, with none of their updates: {checkpoints / '6'})")
   with open(tmp_path / "losses.jsonl") as f:
-    losses = {line["step"]: line["loss"] for line in map(json.loads, f)}
+    losses = {line["step"]: np.nan if line["loss"] is None else line["loss"] for line in map(json.loads, f)}
   assert sorted(losses) == list(range(1, 8))
   assert [n for n, loss in losses.items() if not np.isfinite(loss)] == [3, 5, 6, 7]
 
