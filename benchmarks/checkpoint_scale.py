@@ -1,0 +1,178 @@
+"""A checkpoint of host-resident training state at scale: save, restore, and the steps after it, in bounded memory.
+
+  python benchmarks/checkpoint_scale.py --out=benchmarks/results/checkpoint_scale_h200.json   # one H200
+  python benchmarks/checkpoint_scale.py --smoke --out=/tmp/checkpoint_smoke.json             # tiny, any machine
+
+A llama13b-shaped model with as many layers as the workdir's disk holds one checkpoint of (at most --max_layers),
+every group's master weights and optimizer state in pinned host memory, and XLA's pinned pool capped just above what
+the step keeps there (as the full model fills it on one H200). One process: 3 steps, a save, 3 more steps (the
+uninterrupted run); then the state is freed, restored from the checkpoint and the same 3 steps run again; their
+losses must equal the uninterrupted ones. Host memory (RSS, sampled every 5 ms) above its level just before the
+save / restore is the staging; it must stay within the checkpointer's budget.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags  # noqa: E402
+
+from models.presets import get_config  # noqa: E402
+
+flags.DEFINE_string("out", "", "Write the results JSON here.")
+flags.DEFINE_bool("smoke", False, "Tiny model on CPU: checks the code path in seconds.")
+flags.DEFINE_string("workdir", "/tmp/sljax_checkpoint_scale", "Where the checkpoint is written (removed after).")
+flags.DEFINE_integer("max_layers", 12, "At most this many llama13b layers (fewer when the disk holds less).")
+flags.DEFINE_integer("rows", 32, "Sequences per step (4 sub-batches).")
+flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
+flags.DEFINE_float("staging_gib", 4.0, "The checkpointer's staging budget.")
+flags.DEFINE_float("pool_margin_gib", 4.0, "XLA's pinned pool is capped this far above what the step keeps there.")
+FLAGS = flags.FLAGS
+
+GIB = 2**30
+# Host bytes per layer parameter with every group's state in pinned memory: fp32 master 4, Adam's bf16 first moment
+# 2 and fp32 second 4, the bf16 weight copy 2, and clipping's parked fp32 gradient 4 (the README's llama13b command).
+HOST_BYTES_PER_PARAM = 16
+DISK_BYTES_PER_PARAM = 12  # the same less the parked gradient, which is not state
+
+
+def model_config():
+  if FLAGS.smoke:
+    return get_config("llama-tiny", {"remat": False, "dtype": "float32"}), 4, 16
+  cfg = get_config("llama13b", {"remat": False})
+  free = _free_disk(FLAGS.workdir)
+  outer = cfg.outer_param_count() * DISK_BYTES_PER_PARAM
+  layers = int(min(FLAGS.max_layers, (free * 0.9 - outer) // (cfg.layer_param_count() * DISK_BYTES_PER_PARAM)))
+  if layers < 2:
+    raise SystemExit(f"sljax: {free / 1e9:.1f} GB free under {FLAGS.workdir} holds no 2-layer checkpoint")
+  return get_config("llama13b", {"remat": False, "num_layers": layers}), FLAGS.rows, FLAGS.seq_len
+
+
+def _free_disk(path: str) -> int:
+  import shutil
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  return shutil.disk_usage(path).free
+
+
+def pool_limit_gib(cfg, rows, seq_len) -> int:
+  """What the step keeps in pinned memory (state, weight copies, parked gradients, the activation stash) + margin."""
+  stash = (cfg.num_layers - 1) * rows * seq_len * cfg.hidden_size * 2
+  host = cfg.num_layers * cfg.layer_param_count() * HOST_BYTES_PER_PARAM + stash
+  return int(host / GIB + FLAGS.pool_margin_gib + 1)
+
+
+class PeakRSS:
+  """Samples this process's resident memory every 5 ms while entered; `extra` is the peak above the level at entry."""
+
+  def __enter__(self):
+    import threading
+    self.start = self.peak = rss()
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+    self._thread.start()
+    return self
+
+  def _sample(self):
+    while not self._done.wait(0.005):
+      self.peak = max(self.peak, rss())
+
+  def __exit__(self, *exc_info):
+    self._done.set()
+    self._thread.join()
+    self.peak = max(self.peak, rss())
+    self.extra = self.peak - self.start
+
+
+def rss() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def main(argv):
+  cfg, rows, seq_len = model_config()
+  if not FLAGS.smoke:  # read when the GPU backend starts, below
+    os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(pool_limit_gib(cfg, rows, seq_len))
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.97")
+  import datetime
+  import gc
+  import json
+  import shutil
+  import time
+
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  import sljax
+  from models.presets import build
+  from sljax.checkpoint import Checkpointer, state_bytes
+  from sljax.optim import OptimConfig, make_optimizer
+
+  model = build(cfg)
+  optim_cfg = OptimConfig(learning_rate=3e-4, warmup_steps=1, moments_dtype="bfloat16", grad_clip_norm=1.0)
+  engine = sljax.Engine(model, make_optimizer(optim_cfg, clip=False),
+                        sljax.EngineConfig(sub_batches=4, live_layers=1, grad_clip_norm=1.0, device_state_groups=0))
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (6, rows, seq_len + 1)).astype(np.int32)
+  batches = [{"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones((rows, seq_len), np.float32)}
+             for t in tokens]
+
+  def steps(state, first, count):
+    losses = []
+    for n in range(first, first + count):
+      state, loss = engine.step(state, batches[n % len(batches)])
+      losses.append(float(loss))
+    return state, losses
+
+  shutil.rmtree(FLAGS.workdir, ignore_errors=True)
+  staging = int(FLAGS.staging_gib * GIB) if not FLAGS.smoke else 2**20
+  start = time.perf_counter()
+  state = jax.block_until_ready(engine.init(jax.random.key(0)))
+  init_seconds = time.perf_counter() - start
+  host_resident = sum(x.nbytes for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host")
+  state, first_losses = steps(state, 0, 3)
+  checkpointer = Checkpointer(FLAGS.workdir, save_every=3, keep=1, staging_bytes=staging)
+  with PeakRSS() as saving:
+    start = time.perf_counter()
+    checkpointer.save(3, state, {"data_step": 3})
+    save_seconds = time.perf_counter() - start
+  on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(FLAGS.workdir) for f in files)
+  abstract = engine.abstract_state(jax.random.key(0))
+  state, uninterrupted = steps(state, 3, 3)
+  del state
+  gc.collect()
+  with PeakRSS() as restoring:
+    start = time.perf_counter()
+    step, state, meta = checkpointer.restore_latest(abstract)
+    jax.block_until_ready(state)
+    restore_seconds = time.perf_counter() - start
+  state, resumed = steps(state, 3, 3)
+  checkpointer.close()
+  shutil.rmtree(FLAGS.workdir, ignore_errors=True)
+
+  device = jax.devices()[0]
+  result = {
+      "command": " ".join(["python"] + sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "device": device.device_kind, "jax": jax.__version__, "orbax": ocp.__version__ if hasattr(ocp, "__version__")
+      else "", "model": f"llama13b shapes, {cfg.num_layers} layers" if not FLAGS.smoke else "llama-tiny",
+      "batch": f"{rows} x {seq_len}, 4 sub-batches, clipping 1.0, bf16 first moment, every group's state on the host",
+      "state_gib": state_bytes(abstract) / GIB, "host_resident_state_gib": host_resident / GIB,
+      "pinned_pool_limit_gib": float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 0)),
+      "staging_budget_gib": staging / GIB, "checkpoint_on_disk_gib": on_disk / GIB,
+      "peak_host_extra_gib": {"save": saving.extra / GIB, "restore": restoring.extra / GIB},
+      "rss_gib": {"before_save": saving.start / GIB, "before_restore": restoring.start / GIB},
+      "save_seconds": save_seconds, "restore_seconds": restore_seconds, "init_seconds": init_seconds,
+      "save_gb_per_s": on_disk / save_seconds / 1e9, "restore_gb_per_s": on_disk / restore_seconds / 1e9,
+      "losses": {"steps_1_3": first_losses, "uninterrupted_4_6": uninterrupted, "after_restore_4_6": resumed},
+      "losses_equal": uninterrupted == resumed, "restored_step": step,
+      "losses_max_rel_diff": max(abs(a - b) / abs(a) for a, b in zip(uninterrupted, resumed)),
+  }
+  result["within_budget"] = max(saving.extra, restoring.extra) <= staging
+  print(json.dumps(result, indent=1))
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
