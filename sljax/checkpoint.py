@@ -4,8 +4,8 @@ metadata, streamed through host memory a part at a time.
 A step directory is an orbax `CheckpointManager` step with two items:
   meta/      JSON (orbax JsonCheckpointHandler)
   state/     manifest.json: every array's name, pytree path, dtype, shape, part and CRC-32
-             part_00000/, part_00001/, ...: orbax PyTree checkpoints of consecutive arrays, each part at most half of
-             the staging budget
+             part_00000/, part_00001/, ...: orbax PyTree checkpoints of consecutive arrays, each part at most a
+             quarter of the staging budget
 
 XLA's pinned host pool already holds the host-resident state, and orbax's own save stages every array through it at
 once (about twice the state in host memory). Here each part is copied into ordinary host memory, checked (finite,
@@ -30,7 +30,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 GIB = 2**30
-STAGING_BYTES = 4 * GIB  # extra host memory a save or restore may use: two parts (orbax copies what it writes)
+STAGING_BYTES = 4 * GIB  # extra host memory a save or restore may use
+# A part in flight costs more host memory than its bytes: the copy out of device or pinned memory, orbax's own copy of
+# what it writes, and transfer buffers. On one H200 (benchmarks/results/checkpoint_scale_2gib_parts_h200.json) 2 GiB parts
+# peaked at 7.3 GiB above the level before a save and 3.2 GiB during a restore: a part is a quarter of the budget.
+PARTS_PER_BUDGET = 4
 FORMAT = 1  # manifest version
 
 
@@ -82,7 +86,7 @@ class StateHandler(ocp.CheckpointHandler):
   """Saves and restores a pytree of jax arrays part by part within `staging_bytes` of extra host memory."""
 
   def __init__(self, staging_bytes: int = STAGING_BYTES):
-    self.part_bytes = max(staging_bytes // 2, 1)
+    self.part_bytes = max(staging_bytes // PARTS_PER_BUDGET, 1)
     self._parts = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))  # float state barely shrinks
 
   def save(self, directory: epath.Path, args: StateSave):
