@@ -3,9 +3,10 @@
   python benchmarks/checkpoint_scale.py --out=benchmarks/results/checkpoint_scale_h200.json   # one H200
   python benchmarks/checkpoint_scale.py --smoke --out=/tmp/checkpoint_smoke.json             # tiny, any machine
 
-A llama13b-shaped model with as many layers as the workdir's disk holds one checkpoint of (at most --max_layers),
-every group's master weights and optimizer state in pinned host memory, and XLA's pinned pool capped just above what
-the step keeps there (as the full model fills it on one H200). One process: 3 steps, a save, 3 more steps (the
+A llama13b-shaped model with as many layers as the workdir's disk holds one checkpoint of (at most --max_layers);
+the master weights and optimizer state of a third of its groups on the device (as the plan keeps most of llama13b's
+there), the rest in pinned host memory, and XLA's pinned pool capped just above what the step keeps there (as the
+full model fills it on one H200). One process: 3 steps, a save, 3 more steps (the
 uninterrupted run); then the state is freed, restored from the checkpoint and the same 3 steps run again; their
 losses must equal the uninterrupted ones. Host memory (RSS, sampled every 5 ms) above its level just before the
 save / restore is the staging; it must stay within the checkpointer's budget.
@@ -55,10 +56,15 @@ def _free_disk(path: str) -> int:
   return shutil.disk_usage(path).free
 
 
+def device_state_groups(cfg) -> int:
+  return cfg.num_layers // 3
+
+
 def pool_limit_gib(cfg, rows, seq_len) -> int:
   """What the step keeps in pinned memory (state, weight copies, parked gradients, the activation stash) + margin."""
   stash = (cfg.num_layers - 1) * rows * seq_len * cfg.hidden_size * 2
-  host = cfg.num_layers * cfg.layer_param_count() * HOST_BYTES_PER_PARAM + stash
+  host_groups = cfg.num_layers - device_state_groups(cfg)
+  host = host_groups * cfg.layer_param_count() * HOST_BYTES_PER_PARAM + stash
   return int(host / GIB + FLAGS.pool_margin_gib + 1)
 
 
@@ -112,7 +118,8 @@ def main(argv):
   model = build(cfg)
   optim_cfg = OptimConfig(learning_rate=3e-4, warmup_steps=1, moments_dtype="bfloat16", grad_clip_norm=1.0)
   engine = sljax.Engine(model, make_optimizer(optim_cfg, clip=False),
-                        sljax.EngineConfig(sub_batches=4, live_layers=1, grad_clip_norm=1.0, device_state_groups=0))
+                        sljax.EngineConfig(sub_batches=4, live_layers=1, grad_clip_norm=1.0,
+                                           device_state_groups=device_state_groups(cfg)))
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (6, rows, seq_len + 1)).astype(np.int32)
   batches = [{"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones((rows, seq_len), np.float32)}
              for t in tokens]
@@ -129,7 +136,8 @@ def main(argv):
   start = time.perf_counter()
   state = jax.block_until_ready(engine.init(jax.random.key(0)))
   init_seconds = time.perf_counter() - start
-  host_resident = sum(x.nbytes for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host")
+  resident = lambda kind: sum(x.nbytes for x in jax.tree.leaves(state) if x.sharding.memory_kind == kind)
+  host_resident, device_resident = resident("pinned_host"), resident("device")
   state, first_losses = steps(state, 0, 3)
   checkpointer = Checkpointer(FLAGS.workdir, save_every=3, keep=1, staging_bytes=staging)
   with PeakRSS() as saving:
@@ -161,8 +169,10 @@ def main(argv):
       "command": " ".join(["python"] + sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
       "device": device.device_kind, "jax": jax.__version__, "orbax": ocp.__version__ if hasattr(ocp, "__version__")
       else "", "model": f"llama13b shapes, {cfg.num_layers} layers" if not FLAGS.smoke else "llama-tiny",
-      "batch": f"{rows} x {seq_len}, 4 sub-batches, clipping 1.0, bf16 first moment, every group's state on the host",
+      "batch": f"{rows} x {seq_len}, 4 sub-batches, clipping 1.0, bf16 first moment",
+      "placement": f"{device_state_groups(cfg)} of {cfg.num_layers} groups' state on the device, the rest on the host",
       "state_gib": state_bytes(abstract) / GIB, "host_resident_state_gib": host_resident / GIB,
+      "device_resident_state_gib": device_resident / GIB,
       "pinned_pool_limit_gib": float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 0)),
       "staging_budget_gib": staging / GIB, "checkpoint_on_disk_gib": on_disk / GIB,
       "peak_host_extra_gib": {"save": saving.extra / GIB, "restore": restoring.extra / GIB},

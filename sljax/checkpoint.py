@@ -187,7 +187,10 @@ def _stage(names: list[str], leaves: list) -> list[tuple[Any, int | None]]:
   def one(name, x):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       return x, None
-    value = np.asarray(x)  # a device or pinned-host array: one copy into pageable memory
+    # jax keeps the host copy of an array on the array it was read from: read through a fresh wrapper of the same
+    # buffers, or the device-resident state would stay in host memory, whole, after the save.
+    alias = jax.make_array_from_single_device_arrays(x.shape, x.sharding, [s.data for s in x.addressable_shards])
+    value = np.asarray(alias)  # a device array: one copy into pageable memory; a pinned-host one may be read in place
     if np.issubdtype(value.dtype, np.inexact) and not np.isfinite(value).all():
       raise _NonFinite(name)
     return value, _crc32(value)
