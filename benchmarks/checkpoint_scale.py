@@ -144,6 +144,8 @@ def main(argv):
     start = time.perf_counter()
     checkpointer.save(3, state, {"data_step": 3})
     save_seconds = time.perf_counter() - start
+  gc.collect()
+  after_save = rss()
   on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(FLAGS.workdir) for f in files)
   abstract = engine.abstract_state(jax.random.key(0))
   state, uninterrupted = steps(state, 3, 3)
@@ -176,7 +178,8 @@ def main(argv):
       "pinned_pool_limit_gib": float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 0)),
       "staging_budget_gib": staging / GIB, "checkpoint_on_disk_gib": on_disk / GIB,
       "peak_host_extra_gib": {"save": saving.extra / GIB, "restore": restoring.extra / GIB},
-      "rss_gib": {"before_save": saving.start / GIB, "before_restore": restoring.start / GIB},
+      "rss_gib": {"before_save": saving.start / GIB, "after_save": after_save / GIB,
+                  "before_restore": restoring.start / GIB},
       "save_seconds": save_seconds, "restore_seconds": restore_seconds, "init_seconds": init_seconds,
       "save_gb_per_s": on_disk / save_seconds / 1e9, "restore_gb_per_s": on_disk / restore_seconds / 1e9,
       "losses": {"steps_1_3": first_losses, "uninterrupted_4_6": uninterrupted, "after_restore_4_6": resumed,

@@ -187,10 +187,12 @@ def _stage(names: list[str], leaves: list) -> list[tuple[Any, int | None]]:
   def one(name, x):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       return x, None
-    # jax keeps the host copy of an array on the array it was read from: read through a fresh wrapper of the same
-    # buffers, or the device-resident state would stay in host memory, whole, after the save.
-    alias = jax.make_array_from_single_device_arrays(x.shape, x.sharding, [s.data for s in x.addressable_shards])
-    value = np.asarray(alias)  # a device array: one copy into pageable memory; a pinned-host one may be read in place
+    # jax keeps the host copy of a device array on the array it was read from (on the H200 a save left the
+    # device-resident state's size in host memory): read a device array through a fresh copy of it on the device,
+    # which takes the cached host copy with it when dropped. Pinned-host arrays are read in place.
+    if x.sharding.memory_kind == "device":
+      x = jax.device_put(x, x.sharding, may_alias=False)
+    value = np.asarray(x)
     if np.issubdtype(value.dtype, np.inexact) and not np.isfinite(value).all():
       raise _NonFinite(name)
     return value, _crc32(value)
