@@ -31,9 +31,11 @@ from etils import epath
 
 GIB = 2**30
 STAGING_BYTES = 4 * GIB  # extra host memory a save or restore may use
-# A part in flight costs more host memory than its bytes: the copy out of device or pinned memory, orbax's own copy of
-# what it writes, and transfer buffers. On one H200 (benchmarks/results/checkpoint_scale_2gib_parts_h200.json) 2 GiB parts
-# peaked at 7.3 GiB above the level before a save and 3.2 GiB during a restore: a part is a quarter of the budget.
+# A part in flight costs more host memory than its bytes: the copy out of device memory, orbax's own copy of what it
+# writes, and transfer buffers that the process keeps for the next save. A part is a quarter of the budget. Measured
+# on one H200 with 43 GiB of state (benchmarks/results/checkpoint_scale_h200.json): 1 GiB parts peaked at 5.2 GiB
+# above the level before the save (3.4 GiB of it still held after the save, and reused by the next) and 2.1 GiB
+# during a restore; with 2 GiB parts 7.3 GiB (checkpoint_scale_2gib_parts_h200.json, state 46 GiB).
 PARTS_PER_BUDGET = 4
 FORMAT = 1  # manifest version
 
@@ -188,7 +190,8 @@ def _stage(names: list[str], leaves: list) -> list[tuple[Any, int | None]]:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       return x, None
     # jax keeps the host copy of a device array on the array it was read from (on the H200 a save left the
-    # device-resident state's size in host memory): read a device array through a fresh copy of it on the device,
+    # device-resident state's size in host memory, benchmarks/results/checkpoint_scale_cached_host_copies_h200.json:
+    # 14.2 GiB above the level before the save): read a device array through a fresh copy of it on the device,
     # which takes the cached host copy with it when dropped. Pinned-host arrays are read in place.
     if x.sharding.memory_kind == "device":
       x = jax.device_put(x, x.sharding, may_alias=False)
