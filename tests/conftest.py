@@ -1,9 +1,15 @@
 """Eight CPU devices for mesh tests; must run before jax is imported."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the session, its subprocesses included: the CLI tests build the same tiny steps again
+# and again, each run jitting new closures of them.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="sljax_test_jax_cache_"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from hypothesis import settings  # noqa: E402
 

@@ -1,6 +1,11 @@
+import errno
 import glob
+import json
 import os
 import shutil
+import subprocess
+import threading
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +16,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sljax.checkpoint import CheckpointCorruptError, Checkpointer, CheckpointMismatchError, abstract_like
+from sljax.checkpoint import (CheckpointCorruptError, Checkpointer, CheckpointMismatchError, CheckpointWriteError,
+                              DiskSpaceError, StateHandler, abstract_like, check_disk)
 
 
 def make_state():
@@ -122,3 +128,159 @@ def test_restores_into_another_mesh_resharded(tmp_path):
   _, restored, _ = Checkpointer(str(tmp_path), save_every=1).restore_latest(target)
   assert restored["w"].sharding == on(4)
   np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(32.0).reshape(8, 4))
+
+
+# ---- bounded memory, integrity, a disk that fills -------------------------------------------------------------------
+
+
+def resident_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakResident:
+  """Peak resident memory above the level at entry, sampled every millisecond."""
+
+  def __enter__(self):
+    self.start = self.peak = resident_bytes()
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._sample)
+    self._thread.start()
+    return self
+
+  def _sample(self):
+    while not self._done.wait(0.001):
+      self.peak = max(self.peak, resident_bytes())
+
+  def __exit__(self, *exc_info):
+    self._done.set()
+    self._thread.join()
+    self.extra = max(self.peak, resident_bytes()) - self.start
+
+
+def offload_placed_state(leaves: int, leaf_mib: int) -> dict:
+  """Half the leaves in device memory, half in pinned host memory, as the offload engine keeps a state."""
+  device = jax.devices()[0]
+  kinds = {"device": jax.sharding.SingleDeviceSharding(device),
+           "host": jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")}
+  size = leaf_mib * 2**20 // 4
+  return {kind: [jax.device_put(jnp.full((size,), i, jnp.float32), sharding) for i in range(leaves // 2)]
+          for kind, sharding in kinds.items()}
+
+
+def test_save_and_restore_stay_within_the_staging_budget_on_a_state_many_times_larger(tmp_path):
+  budget = 32 * 2**20
+  state = offload_placed_state(leaves=48, leaf_mib=8)  # 384 MiB: 12 budgets
+  checkpointer = Checkpointer(str(tmp_path), save_every=1, staging_bytes=budget)
+  with PeakResident() as saving:
+    checkpointer.save(1, state, {})
+  target = abstract_like(state)
+  del state
+  with PeakResident() as restoring:
+    _, restored, _ = checkpointer.restore_latest(target)
+    restored = jax.block_until_ready(restored)
+  # Staging the whole state at once, as orbax alone does, would cost 384-768 MiB. Restoring allocates the state itself
+  # (384 MiB); above that only the staging. Threads and allocator caches add noise: 3 budgets.
+  assert saving.extra < 3 * budget, saving.extra / 2**20
+  assert restoring.extra - 384 * 2**20 < 3 * budget, restoring.extra / 2**20
+  assert len(glob.glob(str(tmp_path / "1" / "state" / "part_*"))) >= 12 * 4 - 4
+  np.testing.assert_array_equal(np.asarray(restored["host"][3]), np.full(2**21, 3, np.float32))
+  assert restored["host"][3].sharding.memory_kind == "pinned_host"
+
+
+def data_files(step_dir) -> list[str]:
+  files = glob.glob(str(step_dir / "state" / "part_*" / "**" / "d" / "*"), recursive=True)
+  return sorted(files, key=os.path.getsize)
+
+
+def test_random_bytes_in_a_data_file_fail_the_checksum_with_one_line_naming_the_checkpoint(tmp_path):
+  state = {"w": jnp.arange(2.0**16)}
+  save_steps(tmp_path, state, [1, 2])
+  largest = data_files(tmp_path / "2")[-1]
+  with open(largest, "r+b") as f:  # the array's bytes: parts are written uncompressed
+    f.seek(os.path.getsize(largest) // 2)
+    f.write(np.random.default_rng(0).bytes(4096))
+  with pytest.raises(CheckpointCorruptError) as error:
+    Checkpointer(str(tmp_path), save_every=1).restore_latest(abstract_like(state))
+  assert str(error.value) == (f"checkpoint {tmp_path / '2'} cannot be read (w fails its checksum); delete it to "
+                              f"resume from the one before")
+  shutil.rmtree(tmp_path / "2")
+  assert Checkpointer(str(tmp_path), save_every=1).restore_latest(abstract_like(state))[0] == 1
+
+
+def test_a_checksum_that_does_not_match_is_caught(tmp_path):
+  state = make_state()
+  save_steps(tmp_path, state, [1])
+  manifest = tmp_path / "1" / "state" / "manifest.json"
+  stored = json.loads(manifest.read_text())
+  stored["arrays"][0]["crc32"] ^= 1
+  manifest.write_text(json.dumps(stored))
+  with pytest.raises(CheckpointCorruptError, match=f"{stored['arrays'][0]['name']} fails its checksum"):
+    Checkpointer(str(tmp_path), save_every=1).restore_latest(abstract_like(state))
+
+
+def test_a_state_with_a_non_finite_value_is_never_saved(tmp_path):
+  state = make_state()
+  save_steps(tmp_path, state, [1])
+  state["host"] = jax.device_put(jnp.array([0.0, jnp.nan, 2.0, 3.0]), state["host"].sharding)
+  checkpointer = Checkpointer(str(tmp_path), save_every=1, keep=5)
+  with pytest.raises(CheckpointWriteError) as error:
+    checkpointer.save(2, state, {})
+  assert str(error.value) == (f"step 2's training state holds a non-finite value (host): not saved; newest "
+                              f"checkpoint {tmp_path / '1'}")
+  assert sorted(os.listdir(tmp_path)) == ["1"]
+  assert checkpointer.restore_latest(abstract_like(state))[0] == 1
+
+
+def test_a_disk_that_fills_during_a_save_leaves_nothing_partial_and_the_last_checkpoint_intact(tmp_path, monkeypatch):
+  state = make_state()
+  save_steps(tmp_path, state, [1])
+  write_part = StateHandler._write_part
+
+  def fill_the_disk(self, directory, index, arrays):
+    if index == 1:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    write_part(self, directory, index, arrays)
+
+  monkeypatch.setattr(StateHandler, "_write_part", fill_the_disk)
+  checkpointer = Checkpointer(str(tmp_path), save_every=1, keep=5, staging_bytes=64)  # a part per array
+  with pytest.raises(CheckpointWriteError) as error:
+    checkpointer.save(2, state, {})
+  message = str(error.value)
+  assert message.startswith(f"saving step 2 to {tmp_path} failed: the disk is full (") and "\n" not in message
+  assert message.endswith(f"nothing partial was left, newest checkpoint {tmp_path / '1'}")
+  assert sorted(os.listdir(tmp_path)) == ["1"]
+  monkeypatch.undo()
+  assert checkpointer.restore_latest(abstract_like(state))[0] == 1
+  assert checkpointer.save(2, state, {})  # the next save goes through
+
+
+def test_a_real_full_disk(tmp_path):
+  mount = tmp_path / "small"
+  mount.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+    pytest.skip("cannot mount a tmpfs here")
+  try:
+    small = {"w": jnp.ones(1000)}
+    big = {"w": jnp.ones(1000), "x": jnp.ones(2**19)}  # 2 MiB: more than the disk
+    checkpointer = Checkpointer(str(mount), save_every=1, keep=5)
+    checkpointer.save(1, small, {})
+    with pytest.raises(CheckpointWriteError, match="failed: the disk is full"):
+      checkpointer.save(2, big, {})
+    assert sorted(os.listdir(mount)) == ["1"]
+    assert checkpointer.restore_latest(abstract_like(small))[0] == 1
+    checkpointer.close()
+  finally:
+    subprocess.run(["umount", str(mount)])
+
+
+def test_the_disk_is_checked_for_what_the_run_keeps(tmp_path, monkeypatch):
+  free = lambda gb: monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=int(gb * 1e9)))
+  free(10)
+  check_disk(str(tmp_path / "checkpoints"), int(3e9), keep=2, saves=5)  # 3 at once: 9 GB
+  with pytest.raises(DiskSpaceError) as error:
+    check_disk(str(tmp_path / "checkpoints"), int(4e9), keep=2, saves=5)
+  assert str(error.value).startswith(f"checkpoints need 12.0 GB free under {tmp_path / 'checkpoints'} (3 of 4.0 GB")
+  assert "but 10.0 GB is free; keep fewer (--keep_checkpoints=1)" in str(error.value)
+  assert "(--checkpoint_every=0)" in str(error.value) and not (tmp_path / "checkpoints").exists()
+  check_disk(str(tmp_path / "checkpoints"), int(4e9), keep=2, saves=1)  # a single save: 2 at once at most

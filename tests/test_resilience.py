@@ -1,5 +1,6 @@
 """What a run survives: SIGKILL and resume, SIGTERM / SIGINT, non-finite steps, broken or foreign checkpoints."""
 
+import errno
 import json
 import os
 import random
@@ -7,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -18,7 +20,7 @@ import pytest
 
 import train
 from sljax import trainer
-from sljax.checkpoint import read_arrays
+from sljax.checkpoint import StateHandler, read_arrays
 from sljax.data import make_source
 from test_train import REPO, TINY, train_in_process
 
@@ -204,3 +206,97 @@ def test_a_read_only_workdir_is_refused_before_anything_is_written(tmp_path):
       trainer.check_workdir(str(tmp_path / "run"))
   finally:
     tmp_path.chmod(0o700)
+
+
+def slowed_steps(monkeypatch, on_dispatch):
+  """Makes the all-on-device engine's steps slow on the device (the dispatch stays fast) and calls
+  `on_dispatch(step, losses so far)` after each dispatch."""
+  make_engine = trainer.all_on_device
+
+  @jax.jit
+  def slow(loss):
+    x = jnp.full((256, 256), loss / 1e3)
+    x = jax.lax.fori_loop(0, 40, lambda _, x: jnp.tanh(x @ x), x)
+    return loss + 0 * x[0, 0]
+
+  def engine(*args, **kwargs):
+    inner, losses = make_engine(*args, **kwargs), []
+
+    def step(state, batch):
+      state, loss = inner.step(state, batch)
+      losses.append(slow(loss))
+      on_dispatch(len(losses), losses)
+      return state, losses[-1]
+
+    return inner._replace(step=step)
+
+  monkeypatch.setattr(trainer, "all_on_device", engine)
+
+
+def test_the_loop_runs_at_most_one_step_ahead_of_the_device(tmp_path, monkeypatch):
+  in_flight = []
+  slowed_steps(monkeypatch, lambda n, losses: in_flight.append(sum(not loss.is_ready() for loss in losses)))
+  train_in_process(tmp_path / "run", "--steps=12", "--log_every=12", "--checkpoint_every=0", *ENGINES["device"])
+  assert max(in_flight) <= 2, in_flight  # the step just dispatched and the one before it
+
+
+def test_sigterm_stops_after_the_step_in_flight_and_saves_it(tmp_path, monkeypatch):
+  done_at_signal = []
+
+  def signal_when_3_steps_are_done(losses):  # as a signal from outside arrives: while the device computes
+    while sum(loss.is_ready() for loss in list(losses)) < 3:
+      time.sleep(0.001)
+    done_at_signal.append(sum(loss.is_ready() for loss in list(losses)))
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  def on_dispatch(n, losses):
+    if n == 1:
+      threading.Thread(target=signal_when_3_steps_are_done, args=(losses,), daemon=True).start()
+
+  slowed_steps(monkeypatch, on_dispatch)
+  history = train_in_process(tmp_path / "run", "--steps=20", "--log_every=10", "--checkpoint_every=10",
+                             *ENGINES["device"])
+  last = max(history)
+  assert last <= done_at_signal[0] + 2, (done_at_signal, last)  # the steps in flight then, no more
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [str(last)]
+
+
+def test_a_disk_too_small_for_the_checkpoints_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+  monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=10**5))
+  with pytest.raises(SystemExit) as error:
+    train_in_process(tmp_path / "run", "--steps=10", "--checkpoint_every=5", *ENGINES["device"])
+  message = str(error.value)
+  assert message.startswith(f"sljax: checkpoints need ") and f"under {tmp_path / 'run' / 'checkpoints'}" in message
+  assert message.endswith("or train without checkpoints (--checkpoint_every=0)") and "\n" not in message
+  assert not (tmp_path / "run").exists()
+  assert sorted(train_in_process(tmp_path / "run", "--steps=2", "--checkpoint_every=0", *ENGINES["device"])) == [1, 2]
+  assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+def test_a_run_whose_updates_poison_the_state_saves_nothing_and_says_so(tmp_path, monkeypatch):
+  make_engine = trainer.all_on_device
+
+  def poisoning(*args, **kwargs):  # finite loss and gradient, non-finite update (a NaN learning rate does this)
+    inner = make_engine(*args, **kwargs)
+    poison = jax.jit(lambda state: jax.tree.map(lambda x: x * np.nan if x.dtype.kind == "f" else x, state))
+    return inner._replace(step=lambda state, batch: (lambda out: (poison(out[0]), out[1]))(inner.step(state, batch)))
+
+  monkeypatch.setattr(trainer, "all_on_device", poisoning)
+  with pytest.raises(SystemExit) as error:
+    train_in_process(tmp_path / "run", "--steps=2", "--checkpoint_every=1", *ENGINES["device"])
+  assert str(error.value).startswith("sljax: step 1's training state holds a non-finite value (")
+  assert str(error.value).endswith("not saved; newest checkpoint none yet")
+  assert not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+def test_a_disk_that_fills_during_a_save_is_one_line_and_a_non_zero_exit(tmp_path, monkeypatch):
+  def full(self, directory, index, arrays):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(StateHandler, "_write_part", full)
+  with pytest.raises(SystemExit) as error:
+    train_in_process(tmp_path / "run", "--steps=2", "--checkpoint_every=2", *ENGINES["device"])
+  message = str(error.value)
+  assert message.startswith(f"sljax: saving step 2 to {tmp_path / 'run' / 'checkpoints'} failed: the disk is full (")
+  assert message.endswith("nothing partial was left, newest checkpoint none yet") and "\n" not in message
+  assert not os.listdir(tmp_path / "run" / "checkpoints")
