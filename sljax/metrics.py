@@ -5,14 +5,14 @@ import os
 
 import jax
 
-# Dense bf16 peak per device (SXM parts), by a substring of `jax.Device.device_kind`.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+from sljax.machines import machine_of
 
 
 def peak_flops(device: jax.Device | None = None) -> float | None:
-  """Peak bf16 FLOP/s of `device` (default: the first one); None when unknown (CPU, other GPUs)."""
-  kind = (device or jax.devices()[0]).device_kind
-  return next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in kind), None)
+  """Dense bf16 peak FLOP/s of `device` (default: the first one) from sljax.machines; None when unknown (CPU, other
+  GPUs)."""
+  machine = machine_of((device or jax.devices()[0]).device_kind)
+  return machine.peak_flops if machine else None
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, device: jax.Device | None = None

@@ -15,14 +15,20 @@ import jax.numpy as jnp
 import optax
 
 from models.config import ModelConfig
+from models.presets import build, get_config
+from sljax.machines import CPU_MEMORY_FRACTION, GIB, PINNED_FRACTION, REFERENCE, Machine, machine_of, ram_bytes
 from sljax.schedule import Engine, EngineConfig
 
-GIB = 2**30
-# Measured on one H200 (shared/DESIGN.md): pinned host<->device copies, and a LLaMA-2-13B layer's fraction of the
-# 989 TFLOP/s bf16 peak with cuDNN flash attention. Used only for the predicted step-time bound.
-PCIE_BYTES_PER_S = 53e9
-LAYER_EFFICIENCY = 0.70
-PEAK_FLOPS = 989e12
+# A step is compute-bound "with a margin" when its predicted compute is at least this many times the copies that must
+# hide behind it plus the copies that cannot: on the H200 only 64% of the copy time hid behind compute in the traced
+# llama13b step (shared/DESIGN.md section 5), so the copies are given twice their time.
+COMPUTE_MARGIN = 2.0
+MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
+
+# The one measurement of a compiled step's peak on a GPU: llama13b, one layer per group, a sub-batch of 8 x 2048 rows:
+# 8.5 GiB on the H200 ("compiled step peak" in the plans of benchmarks/results/train_throughput_h200.json and
+# train_scaling*_h200x2.json, printed to 0.1 GiB). See gpu_peak_from_cpu.
+GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(8.5 * GIB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,16 +45,42 @@ class Plan:
   host_bytes: dict  # what sits in pinned host memory, by kind
   host_to_device_bytes: int  # per step
   device_to_host_bytes: int
-  compute_seconds: float  # predicted, at LAYER_EFFICIENCY of the peak
+  compute_seconds: float  # predicted, at the machine's layer efficiency of its peak
   budget: Budget
   fsdp: int = 1  # devices each group's state is split over
+  machine: Machine = REFERENCE  # whose rates the times are predicted at
+  # Of the bytes per step, those that cross after the backward with no compute left to hide behind: with clipping,
+  # every host group's update waits for the global norm (its parked gradient and state in, new state and weights out).
+  tail_to_device_bytes: int = 0
+  tail_to_host_bytes: int = 0
 
   @property
   def transfer_seconds(self) -> float:
-    return max(self.host_to_device_bytes, self.device_to_host_bytes) / PCIE_BYTES_PER_S
+    """Copies that overlap compute (each direction has its own rate)."""
+    return max(self.host_to_device_bytes - self.tail_to_device_bytes,
+               self.device_to_host_bytes - self.tail_to_host_bytes) / self.machine.copy_bytes_per_s
+
+  @property
+  def exposed_seconds(self) -> float:
+    return (self.tail_to_device_bytes + self.tail_to_host_bytes) / self.machine.copy_bytes_per_s
+
+  @property
+  def step_seconds(self) -> float:
+    return max(self.compute_seconds, self.transfer_seconds) + self.exposed_seconds
+
+  @property
+  def compute_bound(self) -> bool:
+    """Compute at least COMPUTE_MARGIN times the copies, the hidden and the exposed ones."""
+    return self.compute_seconds >= COMPUTE_MARGIN * (self.transfer_seconds + self.exposed_seconds)
+
+  @property
+  def rows(self) -> int:
+    return self.engine.sub_batches * self.sub_batch_size
 
   def describe(self) -> str:
     e = self.engine
+    exposed = (f", clipping's updates after the backward {self.exposed_seconds:.2f} (exposed)"
+               if self.tail_to_device_bytes or self.tail_to_host_bytes else "")
     rows = [
         f"sub-batches {e.sub_batches} x {self.sub_batch_size} rows, {e.live_layers} layer(s) per group, "
         f"activations {'in pinned host memory' if e.activations_on_host else 'on the device'}, "
@@ -58,7 +90,7 @@ class Plan:
         _tier("host", self.host_bytes, self.budget.host_bytes),
         f"per step: {self.host_to_device_bytes / GIB:.1f} GiB host->device, "
         f"{self.device_to_host_bytes / GIB:.1f} GiB device->host",
-        f"step time bound: compute {self.compute_seconds:.2f} s, transfer {self.transfer_seconds:.2f} s "
+        f"step time bound: compute {self.compute_seconds:.2f} s, transfer {self.transfer_seconds:.2f} s{exposed} "
         f"-> {'compute' if self.compute_seconds >= self.transfer_seconds else 'transfer'}-bound",
     ]
     return "\n".join(rows)
@@ -70,20 +102,34 @@ def _tier(name, parts, budget):
 
 
 def default_budget(device: jax.Device | None = None, sharing: int = 1) -> Budget:
-  """One device's budget: the allocator's limit on the accelerator; for pinned host memory 90% of RAM over the
-  `sharing` devices of this process that keep host state side by side, capped on GPU by XLA's pinned pool, which
-  each device has for itself (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, 64 unless set)."""
+  """One device's budget here: the allocator's limit on the accelerator; for pinned host memory its share (over the
+  `sharing` devices of this process that keep host state side by side) of PINNED_FRACTION of RAM, capped by XLA's
+  pinned pool, which each GPU has for itself (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, 64 unless set; train.py sets
+  it). On CPU, device and host each get half of CPU_MEMORY_FRACTION of RAM."""
   device = device or jax.devices()[0]
-  with open("/proc/meminfo") as f:
-    host = int(int(dict(line.split(":", 1) for line in f)["MemTotal"].split()[0]) * 1024 * 0.9) // sharing
   if device.platform == "cpu":
+    host = int(ram_bytes() * CPU_MEMORY_FRACTION) // sharing
     return Budget(device_bytes=host // 2, host_bytes=host // 2)
   pinned_pool = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * GIB
-  return Budget(device_bytes=int(device.memory_stats()["bytes_limit"]), host_bytes=min(host, pinned_pool))
+  return Budget(device_bytes=int(device.memory_stats()["bytes_limit"]),
+                host_bytes=min(int(PINNED_FRACTION * ram_bytes()) // sharing, pinned_pool))
+
+
+def target_budget(machine: Machine, sharing: int = 1) -> Budget:
+  """One GPU's budget on `machine` as train.py would give it there: the allocator's limit, and its share of the
+  pinned budget (PINNED_FRACTION of the machine's assumed RAM)."""
+  return Budget(device_bytes=machine.allocator_bytes, host_bytes=machine.pinned_bytes // sharing)
+
+
+_PEAKS: dict = {}  # compiled peaks by (model, layers per group, sub-batch rows, seq_len): compiling takes seconds
 
 
 def _peak_step_bytes(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> int:
-  """XLA's temp + output bytes for the largest per-sub-batch call (the last group: forward, head, backward)."""
+  """XLA's temp + output bytes for the largest per-sub-batch call (the last group: forward, head, backward), as this
+  process's backend compiles it."""
+  key = (type(model), model.cfg, cfg.live_layers, sub_batch, seq_len)
+  if key in _PEAKS:
+    return _PEAKS[key]
   engine = Engine(model, optax.sgd(0.0), cfg)
   m = model.cfg
   shape = lambda *s, dtype=m.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
@@ -99,7 +145,23 @@ def _peak_step_bytes(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> 
                    (engine._backward, (weights, x, x, grads))]:
     analysis = fn.lower(*args).compile().memory_analysis()
     peaks.append(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
-  return max(peaks)
+  _PEAKS[key] = max(peaks)
+  return _PEAKS[key]
+
+
+def gpu_peak_from_cpu(cpu_peak: int) -> int:
+  """A GPU's compiled step peak estimated from the CPU compiler's, for plans made on a CPU machine (--target).
+
+  XLA on CPU reports a much larger peak for the same call (30.3 GiB where the H200 reports 8.5 for llama13b at
+  8 x 2048 rows, jax 0.10.2 on CPU): among others, its attention materializes the score matrices (a few fp32 copies of
+  rows x heads x seq^2) where cuDNN flash attention keeps none. The correction is the one ratio measured: the GPU's
+  GPU_PEAK_BYTES over this process's CPU compile of the same call (compiled here, so it follows this jax's CPU
+  compiler). It is exact for that shape and model and an estimate elsewhere: it cannot know how the GPU's peak scales
+  with seq_len (the CPU's attention part grows as seq^2, the GPU's does not, so at shorter sequences it undershoots),
+  with other families (OPT), with several layers per group, or on another GPU or XLA version."""
+  reference = build(dataclasses.replace(get_config(GPU_PEAK_MODEL), remat=False))
+  cpu_reference = _peak_step_bytes(reference, EngineConfig(), GPU_PEAK_ROWS, GPU_PEAK_SEQ)
+  return int(cpu_peak * GPU_PEAK_BYTES / cpu_reference)
 
 
 def optimizer_bytes_per_param(optimizer: optax.GradientTransformation, dtype=jnp.float32) -> float:
@@ -112,14 +174,16 @@ def optimizer_bytes_per_param(optimizer: optax.GradientTransformation, dtype=jnp
 
 def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches: int = 0, live_layers: int = 0,
               optimizer: optax.GradientTransformation | None = None, grad_clip_norm: float = 0.0,
-              sub_batch_tokens: int = 16384, fsdp: int = 1) -> Plan:
+              sub_batch_tokens: int = 16384, fsdp: int = 1, target: Machine | None = None) -> Plan:
   """Chooses the engine's settings for one device; 0 for sub_batches / live_layers means "choose". ValueError when it
   cannot fit.
 
   batch_size is this device's rows (the mesh splits every sub-batch over all devices) and the budgets are one
   device's. fsdp: devices the layer state is split over; each holds 1/fsdp of every group's master weights,
   optimizer state and host weight copy, and gathers a group's whole weights only while it runs. optimizer: the one the
-  engine will run, whose state is sized per parameter (default: AdamW with fp32 moments, 8 bytes)."""
+  engine will run, whose state is sized per parameter (default: AdamW with fp32 moments, 8 bytes). target: plan for
+  one GPU of that machine (its rates; made on a CPU, its compiled peak corrected by gpu_peak_from_cpu) instead of for
+  this process's device (whose rates are the table's, or the reference machine's when it has none)."""
   m: ModelConfig = model.cfg
   if sub_batches:
     if batch_size % sub_batches:
@@ -141,6 +205,10 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
 
   cfg = EngineConfig(sub_batches=batch_size // sub_batch, live_layers=live, grad_clip_norm=grad_clip_norm)
   peak = _peak_step_bytes(model, cfg, sub_batch, seq_len)
+  local = jax.devices()[0]
+  if target is not None and local.platform == "cpu":
+    peak = gpu_peak_from_cpu(peak)
+  machine = target or machine_of(local.device_kind) or REFERENCE
   fixed_device = {
       # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
       # per step) and the per-device gradient accumulator.
@@ -200,4 +268,39 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   return Plan(
       engine=dataclasses.replace(cfg, activations_on_host=on_host, device_state_groups=device_groups), fsdp=fsdp,
       sub_batch_size=sub_batch, device_bytes=device_bytes, host_bytes=host_bytes, host_to_device_bytes=h2d,
-      device_to_host_bytes=d2h, compute_seconds=flops / (PEAK_FLOPS * LAYER_EFFICIENCY), budget=budget)
+      device_to_host_bytes=d2h, compute_seconds=flops / (machine.peak_flops * machine.layer_efficiency),
+      budget=budget, machine=machine,
+      # Clipping: after the backward each host group's parked gradient and state come in, its state and weights
+      # go out, with no compute left to overlap (the parked gradients went out during the backward).
+      tail_to_device_bytes=host_groups * (state_per_group + parked) if parked else 0,
+      tail_to_host_bytes=host_groups * (state_per_group + shard) if parked else 0)
+
+
+def plan_batch(model, seq_len: int, budget: Budget, devices: int = 1, max_rows: int = MAX_ROWS, **plan_args
+               ) -> tuple[Plan, str]:
+  """The plan for the smallest batch whose step is compute-bound (Plan.compute_bound), and one line saying why.
+
+  Rows per device are tried in powers of two (times the sub-batch count when plan_args fixes it) up to max_rows,
+  until one is compute-bound or the next does not fit; when none is, the largest that fits. devices: the mesh size
+  (the batch is rows x devices). plan_args go to make_plan. ValueError when not even the smallest fits."""
+  rows, plans = max(plan_args.get("sub_batches", 0), 1), []
+  while rows <= max_rows:
+    try:
+      plans.append(make_plan(model, seq_len, rows, budget, **plan_args))
+    except ValueError:
+      if not plans:
+        raise
+      break
+    if plans[-1].compute_bound:
+      break
+    rows *= 2
+  plan = plans[-1]
+  step = lambda p: (f"compute {p.compute_seconds:.2f} s vs copies {p.transfer_seconds:.2f} s"
+                    + (f" + {p.exposed_seconds:.2f} s exposed" if p.exposed_seconds else ""))
+  batch = f"batch {plan.rows * devices} ({plan.rows} rows x {devices} device(s))"
+  if plan.compute_bound:
+    smaller = f"; {plans[-2].rows} rows: {step(plans[-2])}" if len(plans) > 1 else ""
+    return plan, (f"{batch}: the smallest whose step is compute-bound ({step(plan)}, margin {COMPUTE_MARGIN:g}x)"
+                  f"{smaller}")
+  why = "the next does not fit" if rows <= max_rows else f"{max_rows} rows is the most tried"
+  return plan, f"{batch}: none is compute-bound, this is the largest that fits ({why}; {step(plan)})"
