@@ -3,18 +3,22 @@
   python train.py --model llama-tiny --set num_layers=8 --steps 1000 --batch_size 16
   python train.py --model opt-125m --data c4/en --tokenizer tokenizer.json --seq_len 1024 --workdir runs/opt
 
-Every default lives in the config dataclasses (ModelConfig presets, DataConfig, OptimConfig, RunConfig); the flags
-below only expose them. A run resumes from the newest checkpoint in --workdir.
+Every default lives in the config dataclasses (ModelConfig presets, DataConfig, OptimConfig, RunConfig) or in the
+preset's training recipe (sljax.optim.RECIPES); the flags below only expose them. A run resumes from the newest
+checkpoint in --workdir.
 """
 
 import dataclasses
 import glob
 import logging as std_logging
+import math
 import os
 
-# XLA preallocates 75% of each GPU by default; the plan packs optimizer state into the device memory it is given, so
-# give it nearly all (the benchmarks run at this value). Read when the backend starts; a value set by the user wins.
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.97")
+from sljax.machines import CPU_MEMORY_FRACTION, MACHINES, PINNED_FRACTION, XLA_MEMORY_FRACTION, ram_bytes
+
+# The plan packs optimizer state into the device memory it is given: give XLA nearly all of each GPU (the benchmarks
+# run at this value). Read when the backend starts, which importing jax does not do; a value set by the user wins.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(XLA_MEMORY_FRACTION))
 
 import jax
 from absl import app, flags, logging
@@ -23,14 +27,15 @@ from models.hf import HFWeights
 from models.presets import PRESETS, build, get_config, parse_overrides
 from sljax import metrics, trainer
 from sljax.checkpoint import CheckpointCorruptError, CheckpointMismatchError, CheckpointWriteError, DiskSpaceError
-from sljax.data import DataConfig, make_source
+from sljax.data import DataConfig, Source, make_source
 from sljax.mesh import check_batch, initialize_distributed, make_mesh
-from sljax.optim import OptimConfig, make_optimizer
-from sljax.plan import GIB, Budget, default_budget, make_plan
+from sljax.optim import DECAY_SHAPES, RECIPES, make_optimizer, recipe_for
+from sljax.plan import GIB, Budget, default_budget, make_plan, plan_batch, target_budget
 from sljax.trainer import RunConfig
 
 DEFAULT_MODEL = "llama-tiny"
-DATA, OPTIM, RUN = DataConfig(), OptimConfig(), RunConfig()  # the defaults the flags expose
+DATA, RUN = DataConfig(), RunConfig()  # the defaults the flags expose; the optimizer's and seq_len's are the recipe's
+RECIPE = " (default: the recipe's)"
 
 flags.DEFINE_string("model", DEFAULT_MODEL, f"Model preset: {', '.join(PRESETS)}.")
 flags.DEFINE_multi_string("set", [], "Model config override field=value, repeatable (e.g. --set num_layers=8).")
@@ -42,22 +47,29 @@ flags.DEFINE_string("data_dir", DATA.data_dir, "TFDS data_dir (default: TFDS's).
 flags.DEFINE_string("tokenizer", DATA.tokenizer, "sentencepiece .model or tokenizer.json (default: bytes).")
 flags.DEFINE_string("split", DATA.split, "TFDS split.")
 flags.DEFINE_string("text_key", DATA.text_key, "TFDS feature holding the text.")
-flags.DEFINE_integer("seq_len", DATA.seq_len, "Tokens per sequence.")
-flags.DEFINE_integer("batch_size", DATA.batch_size, "Sequences per step.")
+flags.DEFINE_integer("seq_len", None, "Tokens per sequence" + RECIPE + ".")
+flags.DEFINE_integer("batch_size", None, "Sequences per step (default: the recipe's; where it has none, the plan's "
+                     f"smallest compute-bound batch on the offload engine, else {DATA.batch_size}).")
 flags.DEFINE_integer("max_tokens", DATA.max_tokens, "Tokens of the corpus read into memory.")
 flags.DEFINE_integer("seed", DATA.seed, "Seeds the data order and the model's initialization.")
 
-flags.DEFINE_float("learning_rate", OPTIM.learning_rate, "Peak learning rate.")
-flags.DEFINE_integer("warmup_steps", OPTIM.warmup_steps, "Linear warmup steps.")
-# The one flag whose default is not its field's: a library user of OptimConfig has no run length to decay over.
-flags.DEFINE_integer("decay_steps", None, "Cosine decay length (default: --steps; 0: constant after warmup).")
-flags.DEFINE_float("min_lr_ratio", OPTIM.min_lr_ratio, "Final learning rate as a fraction of the peak.")
-flags.DEFINE_float("weight_decay", OPTIM.weight_decay, "AdamW weight decay.")
-flags.DEFINE_float("b1", OPTIM.b1, "Adam beta1.")
-flags.DEFINE_float("b2", OPTIM.b2, "Adam beta2.")
-flags.DEFINE_float("eps", OPTIM.eps, "Adam epsilon.")
-flags.DEFINE_float("grad_clip_norm", OPTIM.grad_clip_norm, "Clip gradients to this global norm (0: off).")
-flags.DEFINE_string("moments_dtype", OPTIM.moments_dtype, "dtype of Adam's first moment.")
+# The recipe is the preset's (sljax.optim.RECIPES; a --hf_dir model takes its family's nearest preset's); a flag given
+# replaces its field.
+flags.DEFINE_float("learning_rate", None, "Peak learning rate" + RECIPE + ".")
+flags.DEFINE_integer("warmup_steps", None, "Linear warmup steps (default: the recipe's; a run shorter than that "
+                     "warms up over a tenth of --steps unless --decay_steps is set).")
+# Not OptimConfig's default (0: none): a library user of OptimConfig has no run length to decay over.
+flags.DEFINE_integer("decay_steps", None, "Steps until the rate reaches its floor (default: --steps; 0: constant "
+                     "after warmup).")
+flags.DEFINE_enum("decay_shape", None, list(DECAY_SHAPES), "Decay after warmup" + RECIPE + ".")
+flags.DEFINE_float("min_lr_ratio", None, "Final learning rate as a fraction of the peak" + RECIPE + ".")
+flags.DEFINE_float("weight_decay", None, "AdamW weight decay" + RECIPE + ".")
+flags.DEFINE_float("b1", None, "Adam beta1" + RECIPE + ".")
+flags.DEFINE_float("b2", None, "Adam beta2" + RECIPE + ".")
+flags.DEFINE_float("eps", None, "Adam epsilon" + RECIPE + ".")
+flags.DEFINE_float("grad_clip_norm", None, "Clip gradients to this global norm, 0: off" + RECIPE + ".")
+flags.DEFINE_string("moments_dtype", None, "dtype of Adam's first moment (default: the recipe's, float32; on the "
+                    "offload engine bfloat16 where float32 does not fit, with a notice).")
 
 flags.DEFINE_integer("steps", RUN.steps, "Total optimizer steps (a resumed run counts the restored ones).")
 flags.DEFINE_string("workdir", RUN.workdir, "Checkpoints, TensorBoard, profile (default: runs/<model>).")
@@ -86,9 +98,11 @@ flags.DEFINE_integer("process_id", -1, "Several hosts: this process's index, 0 o
 flags.DEFINE_integer("distributed_timeout_s", 300, "Several hosts: give up when the coordinator or a process has "
                      "not joined after this many seconds.")
 flags.DEFINE_bool("plan", False, "Print the offload engine's plan (placement, bytes per tier, step-time bound), exit.")
+flags.DEFINE_enum("target", "", ["", *MACHINES], "With --plan: plan for one GPU of this kind (its allocator limit, "
+                  "pinned budget, peak and copy rate from sljax.machines) instead of this machine's device.")
 flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit).")
 flags.DEFINE_float("host_memory_gib", 0, "Pinned host memory this process may use, split evenly among its devices "
-                   "(0: 90% of RAM).")
+                   f"(0: {PINNED_FRACTION:.0%} of RAM with a GPU; on CPU {CPU_MEMORY_FRACTION / 2:.0%} of RAM).")
 
 FLAGS = flags.FLAGS
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -106,22 +120,51 @@ def model_name() -> str:
   return os.path.basename(os.path.normpath(FLAGS.hf_dir)) if FLAGS.hf_dir else FLAGS.model
 
 
+def recipe_name(model_cfg) -> str:
+  """The preset whose recipe the run takes: --model's, or for --hf_dir its family's nearest in parameters."""
+  return recipe_for(model_cfg) if FLAGS.hf_dir else FLAGS.model
+
+
+def batch_planned(model_cfg) -> bool:
+  """Whether the offload engine's plan chooses the batch: neither --batch_size nor the recipe sets it."""
+  return FLAGS.batch_size is None and RECIPES[recipe_name(model_cfg)].batch_size is None
+
+
+def _given(name: str, recipe_value):
+  return recipe_value if FLAGS[name].value is None else FLAGS[name].value
+
+
 def configs_from_flags() -> tuple:
-  """(ModelConfig, DataConfig, OptimConfig, RunConfig, initial weights or None) from the parsed flags; ValueError
-  on a bad value."""
+  """(ModelConfig, DataConfig, OptimConfig, RunConfig, initial weights or None) from the parsed flags over the
+  preset's recipe; ValueError on a bad value. Prints a line for each default it adapts."""
   if FLAGS.hf_dir and FLAGS["model"].present:
     raise ValueError("give --model or --hf_dir (whose config.json names the model), not both")
+  if FLAGS.target and not FLAGS.plan:
+    raise ValueError(f"--target={FLAGS.target} plans for a machine this is not: use it with --plan")
+  for name in ("sub_batches", "live_layers"):
+    if FLAGS[name].value < 0:
+      raise ValueError(f"--{name} must be >= 0 (0: the plan chooses), got {FLAGS[name].value}")
+  memory_flags()
   weights = HFWeights(FLAGS.hf_dir, **parse_overrides(FLAGS.set)) if FLAGS.hf_dir else None  # reads no tensor yet
   model_cfg = weights.cfg if weights else get_config(FLAGS.model, FLAGS.set)
+  name = recipe_name(model_cfg)
+  recipe = RECIPES[name]
+  if FLAGS.hf_dir:
+    print(f"note: {model_name()} ({model_cfg.param_count() / 1e9:.2f} B params) has no preset: it trains with "
+          f"{name}'s recipe, the nearest {model_cfg.family} preset in size")
   data_cfg = DataConfig(
       name=FLAGS.data, data_dir=FLAGS.data_dir, tokenizer=FLAGS.tokenizer, split=FLAGS.split,
-      text_key=FLAGS.text_key, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size, max_tokens=FLAGS.max_tokens,
+      text_key=FLAGS.text_key, seq_len=_given("seq_len", recipe.seq_len),
+      batch_size=_given("batch_size", recipe.batch_size) or DATA.batch_size, max_tokens=FLAGS.max_tokens,
       seed=FLAGS.seed)
-  optim_cfg = OptimConfig(
-      learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
-      decay_steps=FLAGS.steps if FLAGS.decay_steps is None else FLAGS.decay_steps, min_lr_ratio=FLAGS.min_lr_ratio,
-      weight_decay=FLAGS.weight_decay, b1=FLAGS.b1, b2=FLAGS.b2, eps=FLAGS.eps, grad_clip_norm=FLAGS.grad_clip_norm,
-      moments_dtype=FLAGS.moments_dtype)
+  warmup = _given("warmup_steps", recipe.optim.warmup_steps)
+  if FLAGS.warmup_steps is None and FLAGS.decay_steps is None and FLAGS.steps <= warmup:
+    warmup = min(max(1, FLAGS.steps // 10), FLAGS.steps - 1)
+    print(f"note: --steps={FLAGS.steps} is not longer than the recipe's {recipe.optim.warmup_steps} warmup steps: "
+          f"warming up over {warmup} and decaying over the {FLAGS.steps} (--warmup_steps, --decay_steps set them)")
+  optim_cfg = dataclasses.replace(
+      recipe.optim, warmup_steps=warmup, decay_steps=_given("decay_steps", FLAGS.steps),
+      **{f: FLAGS[f].value for f in OPTIM_FLAGS if FLAGS[f].value is not None})
   run_cfg = RunConfig(
       steps=FLAGS.steps, workdir=FLAGS.workdir or os.path.join("runs", model_name()),
       checkpoint_every=FLAGS.checkpoint_every, keep_checkpoints=FLAGS.keep_checkpoints, log_every=FLAGS.log_every,
@@ -129,35 +172,104 @@ def configs_from_flags() -> tuple:
   return model_cfg, data_cfg, optim_cfg, run_cfg, weights
 
 
+# Flags that replace the recipe's OptimConfig field of their name when given.
+OPTIM_FLAGS = ("learning_rate", "decay_shape", "min_lr_ratio", "weight_decay", "b1", "b2", "eps", "grad_clip_norm",
+               "moments_dtype")
+
+
+def memory_flags() -> tuple[float, float]:
+  """(--device_memory_gib, --host_memory_gib), 0 meaning the default; ValueError unless each is finite and >= 0."""
+  values = FLAGS.device_memory_gib, FLAGS.host_memory_gib
+  for name, value in zip(("device_memory_gib", "host_memory_gib"), values):
+    if not (math.isfinite(value) and value >= 0):
+      raise ValueError(f"--{name} must be a number of GiB > 0 (0: the default), got {value}")
+  return values
+
+
+def recipe_line(model_cfg, data_cfg, optim_cfg, batch_planned: bool) -> str:
+  """The recipe in force, flags applied, in one line."""
+  batch = f"batch {data_cfg.batch_size}" + (" (the plan's)" if batch_planned else "")
+  return (f"recipe of {recipe_name(model_cfg)} ({RECIPES[recipe_name(model_cfg)].source}, flags applied): "
+          f"{optim_cfg.describe()}; seq_len {data_cfg.seq_len}, {batch}")
+
+
 def choose_engine(model_cfg, data_cfg, optim_cfg, mesh) -> tuple:
-  """(model config, EngineConfig or None for the all-on-device step); prints the plan when offloading."""
+  """(model config, data config, optim config, EngineConfig or None for the all-on-device step). On the offload
+  engine the plan settles what the flags and the recipe leave open: the batch, and a bf16 first moment where fp32
+  moments do not fit. Prints the plan (and a line for each choice) when offloading."""
   device = jax.devices()[0]
+  target = MACHINES[FLAGS.target] if FLAGS.target else None
   mode = FLAGS.engine
   if mode == "auto":
-    try:
-      trainer.check_fits(model_name(), model_cfg, optim_cfg, device)
-      mode = "device"
-    except ValueError:
-      mode = "offload"
+    mode = "device" if fits_on_device(model_cfg, optim_cfg, device, target) else "offload"
+  offload_only = [f"--{name}" for name in ("sub_batches", "live_layers") if FLAGS[name].value]
+  if mode == "device" and offload_only and not FLAGS.plan:
+    chosen = "the auto engine chose the on-device step (the training state fits)" if FLAGS.engine == "auto" else (
+        "--engine=device runs the on-device step")
+    raise ValueError(f"{' and '.join(offload_only)} shape the offload engine's step, but {chosen}: add "
+                     f"--engine=offload to use them")
   if mode == "device" and not FLAGS.plan:
     trainer.check_fits(model_name(), model_cfg, optim_cfg, device)
-    return model_cfg, None
+    return model_cfg, data_cfg, optim_cfg, None
   # Each group's backward recomputes the group's forward: per-layer remat inside it would recompute twice.
   model_cfg = dataclasses.replace(model_cfg, remat=False)
   # The host budget is this process's: each of its devices keeps its own share of the host-resident state in pinned
   # memory (a whole copy under pure data parallel), so each device plans with an equal part of it.
   local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-  budget = default_budget(device, sharing=local)
-  budget = Budget(int(FLAGS.device_memory_gib * GIB) or budget.device_bytes,
-                  int(FLAGS.host_memory_gib * GIB) // local or budget.host_bytes)
-  # The plan sizes one device's work: its rows of the batch (the mesh splits every sub-batch over all devices) and
-  # its 1/fsdp share of the layer state.
-  plan = make_plan(build(model_cfg), data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, FLAGS.sub_batches,
-                   FLAGS.live_layers, make_optimizer(optim_cfg, clip=False), optim_cfg.grad_clip_norm,
-                   fsdp=mesh.shape["fsdp"])
+  budget = target_budget(target, sharing=local) if target else default_budget(device, sharing=local)
+  device_gib, host_gib = memory_flags()
+  budget = Budget(int(device_gib * GIB) or budget.device_bytes, int(host_gib * GIB) // local or budget.host_bytes)
+  model = build(model_cfg)
+  planned = batch_planned(model_cfg)
+
+  def plan_with(optim_cfg):  # the plan sizes one device's work: its rows, its 1/fsdp share of the layer state
+    args = dict(sub_batches=FLAGS.sub_batches, live_layers=FLAGS.live_layers, fsdp=mesh.shape["fsdp"], target=target,
+                optimizer=make_optimizer(optim_cfg, clip=False), grad_clip_norm=optim_cfg.grad_clip_norm)
+    if planned:
+      return plan_batch(model, data_cfg.seq_len, budget, devices=mesh.size, **args)
+    return make_plan(model, data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, **args), None
+
+  try:
+    (plan, why), error = plan_with(optim_cfg), None
+  except ValueError as fp32_error:
+    (plan, why), error = (None, None), fp32_error
+  if FLAGS.moments_dtype is None and optim_cfg.moments_dtype == "float32" and (
+      plan is None or (planned and not plan.compute_bound)):
+    bf16 = dataclasses.replace(optim_cfg, moments_dtype="bfloat16")
+    try:
+      plan16, why16 = plan_with(bf16)
+    except ValueError as bf16_error:
+      if plan is None:
+        raise ValueError(f"{bf16_error} (with a bf16 first moment; fp32 moments fit less)") from None
+    else:
+      if plan is None or plan16.compute_bound:
+        print(f"note: fp32 Adam moments do not fit {'a compute-bound batch' if plan else 'at all'}; training with a "
+              f"bf16 first moment (optax keeps the second in fp32): --moments_dtype=float32 insists")
+        plan, why, optim_cfg = plan16, why16, bf16
+  if plan is None:
+    raise error
+  if planned:
+    data_cfg = dataclasses.replace(data_cfg, batch_size=plan.rows * mesh.size)
+    print(f"note: {why}")
   per_device = f" (per device, {local} on this host)" if local > 1 else ""
-  print(f"plan for {model_name()}, batch {data_cfg.batch_size} x {data_cfg.seq_len}{per_device}:\n{plan.describe()}")
-  return model_cfg, dataclasses.replace(plan.engine, int8_exchange=FLAGS.int8_exchange)
+  on = f" on one {target.name} (--target)" if target else ""
+  print(f"plan for {model_name()}{on}, batch {data_cfg.batch_size} x {data_cfg.seq_len}{per_device}:\n"
+        f"{plan.describe()}")
+  if target and device.platform == "cpu":
+    print("compiled step peak: this CPU's compile, scaled by the GPU/CPU ratio measured for llama13b at 8 x 2048 "
+          "(sljax.plan.gpu_peak_from_cpu): an estimate for other shapes")
+  return model_cfg, data_cfg, optim_cfg, dataclasses.replace(plan.engine, int8_exchange=FLAGS.int8_exchange)
+
+
+def fits_on_device(model_cfg, optim_cfg, device, target) -> bool:
+  """Whether the all-on-device training state fits (on one GPU of `target` when given)."""
+  if target:
+    return trainer.training_state_bytes(model_cfg, optim_cfg) <= target.allocator_bytes
+  try:
+    trainer.check_fits(model_name(), model_cfg, optim_cfg, device)
+    return True
+  except ValueError:
+    return False
 
 
 def run() -> dict[int, float]:
@@ -170,9 +282,10 @@ def run() -> dict[int, float]:
       metrics.check_logger()
     source = make_source(data_cfg, model_cfg.max_positions, model_cfg.vocab_size)
     mesh = make_mesh(FLAGS.mesh)
-    check_batch(data_cfg.batch_size, 1, mesh)
-    model_cfg, engine_cfg = choose_engine(model_cfg, data_cfg, optim_cfg, mesh)
+    model_cfg, data_cfg, optim_cfg, engine_cfg = choose_engine(model_cfg, data_cfg, optim_cfg, mesh)
     check_batch(data_cfg.batch_size, engine_cfg.sub_batches if engine_cfg else 1, mesh)
+    source = Source(source.tokens, source.vocab_size, data_cfg)  # the batch may be the plan's
+    print(recipe_line(model_cfg, data_cfg, optim_cfg, batch_planned(model_cfg) and engine_cfg is not None))
   except ValueError as error:
     raise SystemExit(f"sljax: {error}") from None
   if FLAGS.plan:
@@ -195,8 +308,8 @@ def main(argv):
   if len(argv) > 1:
     raise SystemExit(f"sljax: unexpected arguments {' '.join(argv[1:])}")
   logging.get_absl_handler().addFilter(_OwnInfoOnly())
-  set_pinned_pool()
   try:  # before anything touches a device: every process of a multi-host run starts here
+    set_pinned_pool()
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                            FLAGS.distributed_timeout_s)
   except (TimeoutError, ValueError) as error:
@@ -206,13 +319,13 @@ def main(argv):
 
 def set_pinned_pool():
   """XLA gives each GPU its own pinned host pool (64 GiB by default), which grows by doubling regions and never
-  shrinks; before the backend starts, cap each GPU's at its share of --host_memory_gib (or of 3/4 of RAM) plus 10%,
-  so that host-resident state fits but the pools' growth cannot take the whole machine."""
+  shrinks; before the backend starts, cap each GPU's at its share of --host_memory_gib plus 10% (or of the default
+  budget, PINNED_FRACTION of RAM), so that host-resident state fits but the pools' growth cannot take the whole
+  machine. ValueError on a bad --host_memory_gib."""
   if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in os.environ:
     return
-  with open("/proc/meminfo") as f:
-    ram = int(dict(line.split(":", 1) for line in f)["MemTotal"].split()[0]) * 1024
-  process_bytes = FLAGS.host_memory_gib * GIB * 1.1 if FLAGS.host_memory_gib else 0.75 * ram
+  host_memory_gib = memory_flags()[1]
+  process_bytes = host_memory_gib * GIB * 1.1 if host_memory_gib else PINNED_FRACTION * ram_bytes()
   os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(int(process_bytes / local_gpu_count() / GIB), 1))
 
 

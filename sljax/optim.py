@@ -1,23 +1,32 @@
-"""AdamW with linear warmup, cosine decay and global-norm clipping: the optimizer every engine uses."""
+"""AdamW with linear warmup, cosine or linear decay and global-norm clipping, the optimizer every engine uses; and
+each preset's training recipe, from its paper."""
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 import optax
+
+from models.config import ModelConfig
+from models.presets import PRESETS
+
+DECAY_SHAPES = ("cosine", "linear")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
   """AdamW hyperparameters and the learning-rate schedule.
 
-  The schedule warms up linearly from 0 to `learning_rate` over `warmup_steps`, then follows a cosine down to
-  `min_lr_ratio * learning_rate` at `decay_steps` and stays there. `decay_steps=0` keeps the rate constant after
-  warmup (train.py fills in the run's --steps instead).
+  The schedule warms up linearly from 0 to `learning_rate` over `warmup_steps`, then decays (`decay_shape`: a cosine
+  or a straight line) down to `min_lr_ratio * learning_rate` at `decay_steps` and stays there. `decay_steps=0` keeps
+  the rate constant after warmup (train.py fills in the run's --steps instead). The defaults are llama-tiny's quick
+  CPU recipe; RECIPES holds every preset's.
   """
 
-  learning_rate: float = 3e-3  # suits llama-tiny; large models want ~3e-4 or less
+  learning_rate: float = 3e-3
   warmup_steps: int = 20
   decay_steps: int = 0
+  decay_shape: str = "cosine"
   min_lr_ratio: float = 0.1
   weight_decay: float = 0.1
   b1: float = 0.9
@@ -27,27 +36,87 @@ class OptimConfig:
   moments_dtype: str = "float32"  # Adam's first moment (optax keeps the second in the params' dtype)
 
   def __post_init__(self):
-    if self.learning_rate <= 0:
-      raise ValueError(f"learning_rate must be positive, got {self.learning_rate}")
+    # Written so that NaN fails every check: a NaN learning rate would train, and save, an all-NaN model.
+    if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+      raise ValueError(f"learning_rate must be positive and finite, got {self.learning_rate}")
     if self.warmup_steps < 0 or self.decay_steps < 0:
       raise ValueError(f"warmup_steps and decay_steps must be >= 0, got {self.warmup_steps}, {self.decay_steps}")
     if self.decay_steps and self.decay_steps <= self.warmup_steps:
       raise ValueError(f"decay_steps ({self.decay_steps}) must exceed warmup_steps ({self.warmup_steps})")
+    if self.decay_shape not in DECAY_SHAPES:
+      raise ValueError(f"decay_shape must be one of {', '.join(DECAY_SHAPES)}, got {self.decay_shape!r}")
     if not 0 <= self.min_lr_ratio <= 1:
       raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
-    if self.grad_clip_norm < 0:
-      raise ValueError(f"grad_clip_norm must be >= 0 (0: off), got {self.grad_clip_norm}")
-    jnp.dtype(self.moments_dtype)  # raises on an unknown dtype name
+    for name in ("b1", "b2"):
+      if not 0 <= getattr(self, name) < 1:
+        raise ValueError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
+    for name, off in (("eps", ""), ("weight_decay", ""), ("grad_clip_norm", " (0: off)")):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be finite and >= 0{off}, got {value}")
+    try:
+      floating = jnp.issubdtype(jnp.dtype(self.moments_dtype), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise ValueError(f"moments_dtype must be a float dtype (float32, bfloat16), got {self.moments_dtype!r}")
+
+  def describe(self) -> str:
+    decay = (f"{self.decay_shape} to {self.min_lr_ratio:g}x at step {self.decay_steps}" if self.decay_steps
+             else "then constant")
+    clip = f"clip {self.grad_clip_norm:g}" if self.grad_clip_norm else "no clipping"
+    return (f"AdamW lr {self.learning_rate:g}, {self.warmup_steps} warmup, {decay}; b1 {self.b1:g}, b2 {self.b2:g}, "
+            f"eps {self.eps:g}, weight decay {self.weight_decay:g}, {clip}, {self.moments_dtype} first moment")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How a preset is trained: its optimizer, the context it trains at, and the batch (None: the plan chooses it on
+  the offload engine; DataConfig's otherwise)."""
+
+  optim: OptimConfig
+  seq_len: int
+  batch_size: int | None
+  source: str  # where the values come from
+
+
+# LLaMA-2 (Touvron et al. 2023, section 2.2): the paper pretrained at 4096 tokens (--seq_len=4096 gives it); 2048 is
+# the context the one-GPU runs and plans use.
+_LLAMA2 = OptimConfig(learning_rate=3e-4, warmup_steps=2000, decay_shape="cosine", min_lr_ratio=0.1,
+                      weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-5, grad_clip_norm=1.0)
+# OPT (Zhang et al. 2022, section 2.2 and Table 1): 2000 warmup steps is OPT-175B's (the smaller models warmed up over
+# 375M tokens), then a linear decay to 10% of the peak; the peak differs per size.
+_OPT = OptimConfig(learning_rate=1.2e-4, warmup_steps=2000, decay_shape="linear", min_lr_ratio=0.1,
+                   weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip_norm=1.0)
+_OPT_PEAKS = {"opt-125m": 6.0e-4, "opt-350m": 3.0e-4, "opt-1.3b": 2.0e-4, "opt-2.7b": 1.6e-4, "opt-6.7b": 1.2e-4,
+              "opt-13b": 1.0e-4, "opt-30b": 1.0e-4, "opt-66b": 0.8e-4, "opt-175b": 1.2e-4}
+
+RECIPES: dict[str, Recipe] = {
+    # Quick on two CPU cores: `python train.py` goes from ~5.6 to ~2.2 in 300 steps.
+    "llama-tiny": Recipe(OptimConfig(), seq_len=128, batch_size=8, source="sljax's CPU recipe"),
+    "llama7b": Recipe(_LLAMA2, 2048, None, "LLaMA-2 paper"),
+    "llama13b": Recipe(_LLAMA2, 2048, None, "LLaMA-2 paper"),
+    "llama70b": Recipe(dataclasses.replace(_LLAMA2, learning_rate=1.5e-4), 2048, None, "LLaMA-2 paper"),
+    **{name: Recipe(dataclasses.replace(_OPT, learning_rate=peak), 2048, None, "OPT paper")
+       for name, peak in _OPT_PEAKS.items()},
+}
+
+
+def recipe_for(cfg: ModelConfig) -> str:
+  """The preset whose recipe a model without a preset name (--hf_dir) trains with: its family's nearest in parameter
+  count (in log scale)."""
+  same_family = [name for name in RECIPES if PRESETS[name].family == cfg.family]
+  return min(same_family, key=lambda name: abs(math.log(PRESETS[name].param_count() / cfg.param_count())))
 
 
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
-  if cfg.decay_steps:
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-        decay_steps=cfg.decay_steps, end_value=cfg.min_lr_ratio * cfg.learning_rate)
-  return optax.join_schedules(
-      [optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps), optax.constant_schedule(cfg.learning_rate)],
-      [cfg.warmup_steps])
+  warmup = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+  if not cfg.decay_steps:
+    return optax.join_schedules([warmup, optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+  end, length = cfg.min_lr_ratio * cfg.learning_rate, cfg.decay_steps - cfg.warmup_steps
+  decay = (optax.cosine_decay_schedule(cfg.learning_rate, length, alpha=cfg.min_lr_ratio) if cfg.decay_shape == "cosine"
+           else optax.linear_schedule(cfg.learning_rate, end, length))
+  return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
 
 
 def make_optimizer(cfg: OptimConfig, clip: bool = True) -> optax.GradientTransformation:

@@ -79,7 +79,7 @@ class Plan:
 
   def describe(self) -> str:
     e = self.engine
-    exposed = (f", clipping's updates after the backward {self.exposed_seconds:.2f} (exposed)"
+    exposed = (f", clipping's updates after the backward {self.exposed_seconds:.2f} s (exposed)"
                if self.tail_to_device_bytes or self.tail_to_host_bytes else "")
     rows = [
         f"sub-batches {e.sub_batches} x {self.sub_batch_size} rows, {e.live_layers} layer(s) per group, "
@@ -251,7 +251,8 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
     raise ValueError(
         f"training state and activations need {needed / GIB:.1f} GiB; the device has {budget.device_bytes / GIB:.1f} "
         f"GiB and pinned host memory {budget.host_bytes / GIB:.1f} GiB (host part needs "
-        f"{sum(host_bytes.values()) / GIB:.1f}); lower batch_size, or use bf16 moments (--moments_dtype=bfloat16)"
+        f"{sum(host_bytes.values()) / GIB:.1f}); lower batch_size"
+        + (", or use bf16 moments (--moments_dtype=bfloat16)" if opt_bytes > 6 else "")
         + ("; or turn off clipping (--grad_clip_norm=0), which holds every gradient until the global norm is known"
            if parked else ""))
 
