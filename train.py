@@ -126,7 +126,8 @@ def recipe_name(model_cfg) -> str:
 
 
 def batch_planned(model_cfg) -> bool:
-  """Whether the offload engine's plan chooses the batch: neither --batch_size nor the recipe sets it."""
+  """Whether the offload engine's plan chooses the batch: neither --batch_size nor the recipe sets it (the on-device
+  step then takes DataConfig's)."""
   return FLAGS.batch_size is None and RECIPES[recipe_name(model_cfg)].batch_size is None
 
 
@@ -155,7 +156,8 @@ def configs_from_flags() -> tuple:
   data_cfg = DataConfig(
       name=FLAGS.data, data_dir=FLAGS.data_dir, tokenizer=FLAGS.tokenizer, split=FLAGS.split,
       text_key=FLAGS.text_key, seq_len=_given("seq_len", recipe.seq_len),
-      batch_size=_given("batch_size", recipe.batch_size) or DATA.batch_size, max_tokens=FLAGS.max_tokens,
+      batch_size=DATA.batch_size if batch_planned(model_cfg) else _given("batch_size", recipe.batch_size),
+      max_tokens=FLAGS.max_tokens,
       seed=FLAGS.seed)
   warmup = _given("warmup_steps", recipe.optim.warmup_steps)
   if FLAGS.warmup_steps is None and FLAGS.decay_steps is None and FLAGS.steps <= warmup:

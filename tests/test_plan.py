@@ -10,9 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from models.presets import build, get_config
+from sljax import plan as planner
+from sljax.machines import MACHINES, REFERENCE
 from sljax.memory import Placement
 from sljax.mesh import make_mesh
-from sljax.plan import GIB, Budget, default_budget, make_plan, optimizer_bytes_per_param
+from sljax.plan import GIB, Budget, default_budget, make_plan, optimizer_bytes_per_param, plan_batch, target_budget
 from sljax.schedule import Engine
 
 HUGE = Budget(device_bytes=1 << 50, host_bytes=1 << 50)
@@ -122,3 +124,45 @@ def test_optimizer_state_is_sized_from_the_optimizer():
   fp32 = make_plan(model, 8, 4, HUGE, optimizer=optax.adamw(1e-3))
   bf16 = make_plan(model, 8, 4, HUGE, optimizer=optax.adamw(1e-3, mu_dtype="bfloat16"))
   assert bf16.device_bytes["resident group state"] * 12 == fp32.device_bytes["resident group state"] * 10
+
+
+def test_clipping_updates_after_the_backward_are_counted_as_exposed():
+  # With clipping every host group's update waits for the global norm: its copies run after the backward, with no
+  # compute to hide behind (on the H200: 43.2% MFU with clipping against 46.7% without, shared/DESIGN.md).
+  model = tiny_model(6, 32)
+  budget, groups = budget_keeping(model, 8, 4, 1, 2)
+  plain, clipped = make_plan(model, 8, 4, budget), make_plan(model, 8, 4, budget, grad_clip_norm=1.0)
+  assert plain.exposed_seconds == 0 and plain.step_seconds == max(plain.compute_seconds, plain.transfer_seconds)
+  host = groups - clipped.engine.device_state_groups
+  per_group = {kind: clipped.host_bytes[kind] // host for kind in ("group state", "parked grads (clipping)",
+                                                                   "group weights")}
+  assert clipped.tail_to_device_bytes == host * (per_group["group state"] + per_group["parked grads (clipping)"])
+  assert clipped.tail_to_host_bytes == host * (per_group["group state"] + per_group["group weights"])
+  rate = clipped.machine.copy_bytes_per_s
+  assert clipped.exposed_seconds == (clipped.tail_to_device_bytes + clipped.tail_to_host_bytes) / rate
+  assert clipped.step_seconds == max(clipped.compute_seconds, clipped.transfer_seconds) + clipped.exposed_seconds
+  assert "clipping's updates after the backward" in clipped.describe()
+
+
+def test_the_plan_chooses_the_smallest_compute_bound_batch(monkeypatch):
+  model = tiny_model(4, 32)
+  one_row_sub_batches = dict(sub_batch_tokens=8)  # every batch runs 1-row sub-batches: one compile for all
+  budget, _ = budget_keeping(model, 8, 64, 1, 1, sub_batches=64)
+  one_row = make_plan(model, 8, 1, budget, **one_row_sub_batches)
+  # A machine whose copies for one row take ten times its compute: some batch of 2 to 64 rows is the first
+  # compute-bound one (a tiny model on a real GPU would be copy-bound at any batch).
+  slow = dataclasses.replace(REFERENCE, copy_bytes_per_s=REFERENCE.copy_bytes_per_s * one_row.transfer_seconds
+                             / (10 * one_row.compute_seconds))
+  monkeypatch.setattr(planner, "REFERENCE", slow)
+  plan, why = plan_batch(model, 8, budget, **one_row_sub_batches)
+  assert plan.compute_bound and 1 < plan.rows <= 64
+  assert plan.compute_seconds >= planner.COMPUTE_MARGIN * (plan.transfer_seconds + plan.exposed_seconds)
+  assert not make_plan(model, 8, plan.rows // 2, budget, **one_row_sub_batches).compute_bound
+  assert why.startswith(f"batch {plan.rows} ({plan.rows} rows x 1 device(s)): the smallest"), why
+
+
+def test_a_target_gpu_is_planned_with_its_own_memory_and_rates():
+  h200 = MACHINES["h200"]
+  assert target_budget(h200) == Budget(int(135.6 * GIB), 96 * GIB)  # 3/4 of the 128 GiB assumed
+  assert target_budget(h200, sharing=2).host_bytes == 48 * GIB
+  assert MACHINES["a100-80gb"].peak_flops < MACHINES["h100-80gb"].peak_flops == h200.peak_flops

@@ -1,4 +1,5 @@
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -46,6 +47,34 @@ def test_resumed_run_continues_the_step_count_and_matches_an_uninterrupted_run(t
   assert train_in_process(tmp_path / "two", "--steps=6", *schedule) == {}  # already done
 
 
+def test_a_run_shorter_than_the_warmup_trains(tmp_path, capsys):
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["train.py", f"--workdir={tmp_path}", *[f for f in TINY if not f.startswith("--warmup_steps")],
+               "--steps=5"])
+  history = train.run()
+  assert sorted(history) == [1, 2, 3, 4, 5] and np.isfinite(list(history.values())).all()
+  out = capsys.readouterr().out
+  assert "warming up over 1 and decaying over the 5" in out
+  assert "recipe of llama-tiny (sljax's CPU recipe, flags applied): AdamW lr 0.003, 1 warmup, cosine" in out
+
+
+def committed_plan(name: str) -> str:
+  with open(os.path.join(REPO, "benchmarks", "results", name)) as f:
+    return json.load(f)["results"][0]["plan"]
+
+
+def test_plan_for_a_target_gpu_made_on_cpu_is_the_gpus_own(capsys):
+  # benchmarks/results/train_scaling_dp_h200x2.json: llama13b planned on the H200 itself (clipping off, fp32
+  # moments, the benchmark's 85 GiB of pinned memory). On CPU the compiled step peak is corrected to the GPU's.
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["train.py", "--model=llama13b", "--batch_size=32", "--seq_len=2048", "--grad_clip_norm=0",
+               "--moments_dtype=float32", "--host_memory_gib=85", "--max_tokens=100000", "--plan", "--target=h200"])
+  assert train.run() == {}
+  out = capsys.readouterr().out
+  plan = out.split("plan for llama13b on one h200 (--target), batch 32 x 2048:\n")[1]
+  assert plan.startswith(committed_plan("train_scaling_dp_h200x2.json") + "\n"), out
+
+
 def test_profile_writes_a_trace(tmp_path):
   train_in_process(tmp_path, "--steps=3", "--profile")
   assert glob.glob(str(tmp_path / "profile" / "**" / "*.xplane.pb"), recursive=True)
@@ -64,6 +93,8 @@ BAD_REQUESTS = {
     "workdir /dev/null/run cannot be created: /dev/null is not a directory": ["--workdir=/dev/null/run"],
     "/nonexistent is not a Hugging Face model directory: it has no config.json": ["--hf_dir=/nonexistent"],
     "give --model or --hf_dir (whose config.json names the model), not both": ["--model=llama7b", "--hf_dir=x"],
+    "learning_rate must be positive and finite, got nan": ["--learning_rate=nan"],  # every bad number: test_recipes
+    "--host_memory_gib must be a number of GiB > 0 (0: the default), got -1.0": ["--host_memory_gib=-1"],
 }
 
 
