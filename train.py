@@ -188,9 +188,9 @@ def memory_flags() -> tuple[float, float]:
   return values
 
 
-def recipe_line(model_cfg, data_cfg, optim_cfg, batch_planned: bool) -> str:
+def recipe_line(model_cfg, data_cfg, optim_cfg, planned: bool) -> str:
   """The recipe in force, flags applied, in one line."""
-  batch = f"batch {data_cfg.batch_size}" + (" (the plan's)" if batch_planned else "")
+  batch = f"batch {data_cfg.batch_size}" + (" (the plan's)" if planned else "")
   return (f"recipe of {recipe_name(model_cfg)} ({RECIPES[recipe_name(model_cfg)].source}, flags applied): "
           f"{optim_cfg.describe()}; seq_len {data_cfg.seq_len}, {batch}")
 
