@@ -213,6 +213,9 @@ def choose_engine(model_cfg, data_cfg, optim_cfg, mesh) -> tuple:
   if mode == "device" and not FLAGS.plan:
     trainer.check_fits(model_name(), model_cfg, optim_cfg, device)
     return model_cfg, data_cfg, optim_cfg, None
+  if mode == "device":
+    print(f"note: training would run the on-device step (batch {data_cfg.batch_size}: the training state fits); "
+          f"the plan below is the offload engine's (--engine=offload)")
   # Each group's backward recomputes the group's forward: per-layer remat inside it would recompute twice.
   model_cfg = dataclasses.replace(model_cfg, remat=False)
   # The host budget is this process's: each of its devices keeps its own share of the host-resident state in pinned
@@ -242,14 +245,16 @@ def choose_engine(model_cfg, data_cfg, optim_cfg, mesh) -> tuple:
       plan16, why16 = plan_with(bf16)
     except ValueError as bf16_error:
       if plan is None:
-        raise ValueError(f"{bf16_error} (with a bf16 first moment; fp32 moments fit less)") from None
+        error = ValueError(f"{bf16_error} (with a bf16 first moment, which needs less than fp32 moments)")
     else:
       if plan is None or plan16.compute_bound:
         print(f"note: fp32 Adam moments do not fit {'a compute-bound batch' if plan else 'at all'}; training with a "
               f"bf16 first moment (optax keeps the second in fp32): --moments_dtype=float32 insists")
         plan, why, optim_cfg = plan16, why16, bf16
   if plan is None:
-    raise error
+    elsewhere = FLAGS.plan and not target and device.platform == "cpu"
+    raise ValueError(f"{error}" + ("; to plan for a GPU from this machine: --target=h200 (or h100-80gb, a100-80gb)"
+                                   if elsewhere else ""))
   if planned:
     data_cfg = dataclasses.replace(data_cfg, batch_size=plan.rows * mesh.size)
     print(f"note: {why}")
