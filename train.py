@@ -289,9 +289,11 @@ def run() -> dict[int, float]:
       metrics.check_logger()
     source = make_source(data_cfg, model_cfg.max_positions, model_cfg.vocab_size)
     mesh = make_mesh(FLAGS.mesh)
+    planned_for = data_cfg
     model_cfg, data_cfg, optim_cfg, engine_cfg = choose_engine(model_cfg, data_cfg, optim_cfg, mesh)
     check_batch(data_cfg.batch_size, engine_cfg.sub_batches if engine_cfg else 1, mesh)
-    source = Source(source.tokens, source.vocab_size, data_cfg)  # the batch may be the plan's
+    if data_cfg != planned_for:  # the plan chose the batch: the corpus read stays, the windows per step change
+      source = Source(source.tokens, source.vocab_size, data_cfg)
     print(recipe_line(model_cfg, data_cfg, optim_cfg, batch_planned(model_cfg) and engine_cfg is not None))
   except ValueError as error:
     raise SystemExit(f"sljax: {error}") from None
