@@ -68,33 +68,6 @@ def pool_limit_gib(cfg, rows, seq_len) -> int:
   return int(host / GIB + FLAGS.pool_margin_gib + 1)
 
 
-class PeakRSS:
-  """Samples this process's resident memory every 5 ms while entered; `extra` is the peak above the level at entry."""
-
-  def __enter__(self):
-    import threading
-    self.start = self.peak = rss()
-    self._done = threading.Event()
-    self._thread = threading.Thread(target=self._sample, daemon=True)
-    self._thread.start()
-    return self
-
-  def _sample(self):
-    while not self._done.wait(0.005):
-      self.peak = max(self.peak, rss())
-
-  def __exit__(self, *exc_info):
-    self._done.set()
-    self._thread.join()
-    self.peak = max(self.peak, rss())
-    self.extra = self.peak - self.start
-
-
-def rss() -> int:
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def main(argv):
   cfg, rows, seq_len = model_config()
   if not FLAGS.smoke:  # read when the GPU backend starts, below
@@ -113,6 +86,7 @@ def main(argv):
   import sljax
   from models.presets import build
   from sljax.checkpoint import Checkpointer, state_bytes
+  from sljax.memory import PeakResident, resident_bytes
   from sljax.optim import OptimConfig, make_optimizer
 
   model = build(cfg)
@@ -140,18 +114,18 @@ def main(argv):
   host_resident, device_resident = resident("pinned_host"), resident("device")
   state, first_losses = steps(state, 0, 3)
   checkpointer = Checkpointer(FLAGS.workdir, save_every=3, keep=1, staging_bytes=staging)
-  with PeakRSS() as saving:
+  with PeakResident(0.005) as saving:
     start = time.perf_counter()
     checkpointer.save(3, state, {"data_step": 3})
     save_seconds = time.perf_counter() - start
   gc.collect()
-  after_save = rss()
+  after_save = resident_bytes()
   on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(FLAGS.workdir) for f in files)
   abstract = engine.abstract_state(jax.random.key(0))
   state, uninterrupted = steps(state, 3, 3)
   del state
   gc.collect()
-  with PeakRSS() as restoring:
+  with PeakResident(0.005) as restoring:
     start = time.perf_counter()
     step, state, meta = checkpointer.restore_latest(abstract)
     jax.block_until_ready(state)

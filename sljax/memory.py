@@ -11,6 +11,8 @@ summed over all devices:
 
 import dataclasses
 import functools
+import os
+import threading
 from typing import Callable, Iterable, Iterator
 
 import jax
@@ -188,3 +190,34 @@ def prefetch(items: Iterable, fetch: Callable) -> Iterator:
     current, upcoming = upcoming, fetch(item)
     yield current
   yield upcoming
+
+
+def resident_bytes() -> int:
+  """This process's resident host memory (RSS), pinned pools included."""
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakResident:
+  """While entered, samples resident host memory every `interval` seconds; `extra` is the peak above the level at
+  entry (what a save, a restore or a step adds on top of what the process held)."""
+
+  def __init__(self, interval: float = 0.002):
+    self.interval = interval
+
+  def __enter__(self):
+    self.start = self.peak = resident_bytes()
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+    self._thread.start()
+    return self
+
+  def _sample(self):
+    while not self._done.wait(self.interval):
+      self.peak = max(self.peak, resident_bytes())
+
+  def __exit__(self, *exc_info):
+    self._done.set()
+    self._thread.join()
+    self.peak = max(self.peak, resident_bytes())
+    self.extra = self.peak - self.start

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 from types import SimpleNamespace
 
 import jax
@@ -18,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from sljax.checkpoint import (CheckpointCorruptError, Checkpointer, CheckpointMismatchError, CheckpointWriteError,
                               DiskSpaceError, StateHandler, abstract_like, check_disk)
+from sljax.memory import PeakResident
 
 
 def make_state():
@@ -133,31 +133,6 @@ def test_restores_into_another_mesh_resharded(tmp_path):
 # ---- bounded memory, integrity, a disk that fills -------------------------------------------------------------------
 
 
-def resident_bytes() -> int:
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakResident:
-  """Peak resident memory above the level at entry, sampled every millisecond."""
-
-  def __enter__(self):
-    self.start = self.peak = resident_bytes()
-    self._done = threading.Event()
-    self._thread = threading.Thread(target=self._sample)
-    self._thread.start()
-    return self
-
-  def _sample(self):
-    while not self._done.wait(0.001):
-      self.peak = max(self.peak, resident_bytes())
-
-  def __exit__(self, *exc_info):
-    self._done.set()
-    self._thread.join()
-    self.extra = max(self.peak, resident_bytes()) - self.start
-
-
 def offload_placed_state(leaves: int, leaf_mib: int) -> dict:
   """Half the leaves in device memory, half in pinned host memory, as the offload engine keeps a state."""
   device = jax.devices()[0]
@@ -172,11 +147,11 @@ def test_save_and_restore_stay_within_the_staging_budget_on_a_state_many_times_l
   budget = 32 * 2**20
   state = offload_placed_state(leaves=48, leaf_mib=8)  # 384 MiB: 12 budgets
   checkpointer = Checkpointer(str(tmp_path), save_every=1, staging_bytes=budget)
-  with PeakResident() as saving:
+  with PeakResident(0.001) as saving:
     checkpointer.save(1, state, {})
   target = abstract_like(state)
   del state
-  with PeakResident() as restoring:
+  with PeakResident(0.001) as restoring:
     _, restored, _ = checkpointer.restore_latest(target)
     restored = jax.block_until_ready(restored)
   # Staging the whole state at once, as orbax alone does, would cost 384-768 MiB. Restoring allocates the state itself
