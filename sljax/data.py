@@ -59,18 +59,28 @@ def load_tokenizer(path: str | None) -> Tokenizer:
   if path.endswith(".model"):
     import sentencepiece  # imported here, like tokenizers and tfds below: the default corpus needs none of them
 
-    model = sentencepiece.SentencePieceProcessor(model_file=path)
+    read = lambda: sentencepiece.SentencePieceProcessor(model_file=path)
+    model = _read_tokenizer(path, "a sentencepiece model", read)
     encode = lambda docs: [np.asarray(ids) for ids in model.encode(texts(docs), num_threads=os.cpu_count())]
     return Tokenizer(model.get_piece_size(), model.eos_id() if model.eos_id() >= 0 else None, encode)
   if path.endswith(".json"):
     import tokenizers
 
-    model = tokenizers.Tokenizer.from_file(path)
+    model = _read_tokenizer(path, "a Hugging Face tokenizer.json", lambda: tokenizers.Tokenizer.from_file(path))
     specials = {t.content: i for i, t in model.get_added_tokens_decoder().items() if t.special}
     separator = next((specials[name] for name in END_OF_TEXT if name in specials), None)
     encode = lambda docs: [np.asarray(e.ids) for e in model.encode_batch_fast(texts(docs), add_special_tokens=False)]
     return Tokenizer(model.get_vocab_size(with_added_tokens=True), separator, encode)
   raise ValueError(f"tokenizer {path!r}: unknown file type; expected a sentencepiece .model or a tokenizer.json")
+
+
+def _read_tokenizer(path: str, kind: str, read: Callable):
+  """read(), or ValueError naming the file: both libraries raise bare exceptions for a file they cannot parse."""
+  try:
+    return read()
+  except Exception as error:
+    reason = " ".join(str(error).split())  # one line
+    raise ValueError(f"tokenizer {path} cannot be read (not {kind}: {reason})") from None
 
 
 class Source:

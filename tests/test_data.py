@@ -208,6 +208,25 @@ def test_errors(data_dir, sentencepiece_model, tmp_path):
     data.DataConfig(seq_len=0)
 
 
+GARBAGE_TOKENIZERS = {  # (file name, content, what the message says it is not)
+    "json-cut-short": ("tokenizer.json", b'{"model": {"type": "BPE", "vocab": ', "a Hugging Face tokenizer.json"),
+    "json-without-model": ("tokenizer.json", b'{"version": "1.0", "added_tokens": []}', "a Hugging Face tokenizer.json"),
+    "model-random-bytes": ("tokenizer.model", np.random.default_rng(0).bytes(1000), "a sentencepiece model"),
+    "model-empty": ("tokenizer.model", b"", "a sentencepiece model"),
+}
+
+
+@pytest.mark.parametrize("case", GARBAGE_TOKENIZERS)
+def test_a_garbage_tokenizer_file_is_refused_naming_it(tmp_path, case):
+  name, content, kind = GARBAGE_TOKENIZERS[case]
+  path = tmp_path / name
+  path.write_bytes(content)
+  with pytest.raises(ValueError) as info:
+    data.load_tokenizer(str(path))
+  assert str(info.value).startswith(f"tokenizer {path} cannot be read (not {kind}: ")
+  assert "\n" not in str(info.value)
+
+
 def test_tfrecord_dataset_is_refused(data_dir, tmp_path):
   # Writing tfrecord needs TensorFlow; relabel a copy of the array_record dataset instead.
   copy = tmp_path / "sljax_tiny_text" / "1.0.0"
