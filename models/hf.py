@@ -11,7 +11,7 @@ import os
 import jax
 import numpy as np
 from flax import traverse_util
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from models.common import Params
@@ -96,32 +96,53 @@ def _hf_name(family: str, module: str, leaf: str, layer: int | None = None) -> s
 
 class HFWeights:
   """A Hugging Face LLaMA/OPT directory (config.json + *.safetensors, one file or shards), read lazily: the
-  constructor reads the config and the tensor index and checks that every tensor the config needs is there;
-  `outer()` and `layers(start, stop)` read only the tensors they return. A model larger than host RAM can so be
-  placed one layer group at a time (sljax.generate.OffloadedGenerator.load)."""
+  constructor reads the config and every file's header and checks that every tensor the config needs is there, in
+  the shape it implies, and that no file is truncated; `outer()` and `layers(start, stop)` read only the tensors
+  they return. A model larger than host RAM can so be placed one layer group at a time
+  (sljax.generate.OffloadedGenerator.load), and a damaged file is refused before anything is allocated."""
 
   def __init__(self, path: str, **overrides):
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
       raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
-    with open(config_path) as f:
-      hf = json.load(f)
+    hf = _read_json(config_path)
     self.path, self.cfg = path, config_from_hf(hf, **overrides)
-    self._stored = {}  # tensor name -> (file, name inside it)
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-      with safe_open(file, framework="np") as f:
-        self._stored.update({name: (file, name) for name in f.keys()})
-    if not self._stored:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
       raise ValueError(f"{path} has no *.safetensors files (re-save .bin checkpoints with save_pretrained)")
-    if (hf.get("tie_word_embeddings") and "lm_head.weight" not in self._stored
-        and "model.embed_tokens.weight" in self._stored):
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+      shards = set(_read_json(index_path).get("weight_map", {}).values())
+      absent = sorted(shards - {os.path.basename(file) for file in files})
+      if absent:
+        raise ValueError(f"{path} lacks {len(absent)} of the {len(shards)} files its index names: "
+                         f"{', '.join(absent[:4])}")
+    self._stored = {}  # tensor name -> (file, name inside it)
+    shapes = {}  # tensor name -> shape, from the headers
+    for file in files:
+      # safe_open checks the header against the file: every tensor's offsets in range, its bytes its shape's and
+      # dtype's, the data exactly covering the rest of the file (so a truncated file is refused here).
+      try:
+        with safe_open(file, framework="np") as f:
+          in_file = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+      except (SafetensorError, OSError) as error:
+        raise ValueError(f"{file} is not a readable safetensors file, or is truncated ({error})") from None
+      shapes.update(in_file)
+      self._stored.update({name: (file, name) for name in in_file})
+    if hf.get("tie_word_embeddings") and "lm_head.weight" not in self._stored and "model.embed_tokens.weight" in shapes:
       self._stored["lm_head.weight"] = self._stored["model.embed_tokens.weight"]  # tied head: an untied copy
+      shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     self._shapes = traverse_util.flatten_dict(jax.eval_shape(build(self.cfg).init, jax.random.key(0)))
-    missing = [self._name(key, i) for key in self._shapes
-               for i in ([None] if key[0] == "outer" else range(self.cfg.num_layers))
-               if self._name(key, i) not in self._stored]
+    needed = [(key, i) for key in self._shapes for i in ([None] if key[0] == "outer" else range(self.cfg.num_layers))]
+    missing = [self._name(key, i) for key, i in needed if self._name(key, i) not in self._stored]
     if missing:
       raise ValueError(f"{path} lacks {len(missing)} tensors that the config needs: {', '.join(missing[:4])}")
+    for key, i in needed:
+      want = self._shapes[key].shape[0 if i is None else 1:]  # a layer's, without the stacking axis
+      want = want[::-1] if key[-1] == "kernel" else want  # stored as the torch Linear weight: transposed
+      if shapes[self._name(key, i)] != want:
+        raise ValueError(f"{path}: {self._name(key, i)} has shape {shapes[self._name(key, i)]}, the config "
+                         f"implies {want}")
 
   def _name(self, key, layer):
     _, module, leaf = key
@@ -133,19 +154,11 @@ class HFWeights:
       tensor = f.get_tensor(inner)
     return tensor.T if key[-1] == "kernel" else tensor
 
-  def _part(self, part: str, read, layers: int = 0) -> Params:
-    """part's leaves read by read(key); for "layers", `layers` of them stacked on the leading axis."""
-    params = {}
-    for key, shape in self._shapes.items():
-      if key[0] != part:
-        continue
-      tensor = read(key)
-      want = (layers,) + shape.shape[1:] if part == "layers" else shape.shape
-      if tensor.shape != want:
-        first = self._name(key, None if part == "outer" else 0)
-        raise ValueError(f"{self.path}: {first} has shape {tensor.shape}, the config implies {want}")
-      params[key[1:]] = np.ascontiguousarray(tensor.astype(self.cfg.param_dtype, copy=False))
-    return traverse_util.unflatten_dict(params)
+  def _part(self, part: str, read) -> Params:
+    """part's leaves read by read(key) (their shapes were checked when the directory was opened)."""
+    return traverse_util.unflatten_dict({
+        key[1:]: np.ascontiguousarray(read(key).astype(self.cfg.param_dtype, copy=False))
+        for key in self._shapes if key[0] == part})
 
   def outer(self) -> Params:
     """The embeddings, final norm and head, as host numpy arrays in the config's param_dtype."""
@@ -155,7 +168,15 @@ class HFWeights:
     """Layers start..stop-1 stacked on a leading axis, as host numpy arrays in the config's param_dtype."""
     if not 0 <= start < stop <= self.cfg.num_layers:
       raise ValueError(f"layers {start}..{stop} are outside the model's {self.cfg.num_layers}")
-    return self._part("layers", lambda key: np.stack([self._read(key, i) for i in range(start, stop)]), stop - start)
+    return self._part("layers", lambda key: np.stack([self._read(key, i) for i in range(start, stop)]))
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    raise ValueError(f"{path} is not valid JSON ({error})") from None
 
 
 def load_hf(path: str, **overrides) -> tuple[ModelConfig, Params]:

@@ -2,6 +2,8 @@
 
 import json
 import random
+import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -159,3 +161,64 @@ def test_layers_read_lazily_equal_the_full_load(tmp_path):
     np.testing.assert_array_equal(got, want)
   with pytest.raises(ValueError, match=f"outside the model's {n}"):
     weights.layers(0, n + 1)
+
+
+def _lie_about_sizes(data: bytes) -> bytes:
+  """The file with its header's first tensor claiming twice its rows, the offsets left as they were."""
+  length = int.from_bytes(data[:8], "little")
+  header = json.loads(data[8:8 + length])
+  first = next(name for name in header if name != "__metadata__")
+  header[first]["shape"][0] *= 2
+  text = json.dumps(header).encode()
+  return len(text).to_bytes(8, "little") + text + data[8 + length:]
+
+
+DAMAGES = {  # how a file is damaged
+    "random-bytes": lambda data: np.random.default_rng(0).bytes(len(data)),
+    "cut-in-half": lambda data: data[:len(data) // 2],
+    "last-byte-missing": lambda data: data[:-1],
+    "empty": lambda data: b"",
+    "header-lies-about-sizes": _lie_about_sizes,
+}
+
+
+@pytest.fixture(scope="module")
+def sharded_llama(tmp_path_factory):
+  """A tiny LLaMA saved by transformers in shards: (directory, its shard files)."""
+  path = tmp_path_factory.mktemp("hf")
+  _torch_model(CONFIGS["llama-gqa2"]()).save_pretrained(path, max_shard_size="8KB")
+  return path, sorted(p.name for p in path.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_safetensors_file_is_refused_when_the_directory_is_opened(tmp_path, sharded_llama, damage):
+  source, shards = sharded_llama
+  damaged = tmp_path / "hf"
+  shutil.copytree(source, damaged)
+  victim = damaged / shards[len(shards) // 2]  # a middle shard: each one is checked, not only the first
+  victim.write_bytes(DAMAGES[damage](victim.read_bytes()))
+  with pytest.raises(ValueError) as info:
+    HFWeights(damaged)
+  message = str(info.value)
+  assert message.startswith(f"{victim} is not a readable safetensors file, or is truncated (")
+  assert "\n" not in message
+
+
+def test_a_tensor_of_the_wrong_shape_or_a_missing_shard_is_refused_when_opened(tmp_path, sharded_llama):
+  source, shards = sharded_llama
+  shutil.copytree(source, tmp_path / "hf")
+  victim = next(p for p in sorted((tmp_path / "hf").glob("*.safetensors")) if "model.layers.1.mlp.up_proj.weight"
+                in load_file(p))
+  tensors = load_file(victim)
+  want = tensors["model.layers.1.mlp.up_proj.weight"].shape
+  tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:-1]
+  save_file(tensors, victim, metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=re.escape(f"model.layers.1.mlp.up_proj.weight has shape "
+                                                 f"{(want[0] - 1, want[1])}, the config implies {want}")):
+    HFWeights(tmp_path / "hf")
+  victim.unlink()
+  with pytest.raises(ValueError, match=f"lacks 1 of the {len(shards)} files its index names: {victim.name}"):
+    HFWeights(tmp_path / "hf")
+  (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama",')
+  with pytest.raises(ValueError, match="config.json is not valid JSON"):
+    HFWeights(tmp_path / "hf")
