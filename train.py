@@ -286,6 +286,7 @@ def run() -> dict[int, float]:
     model_cfg, data_cfg, optim_cfg, run_cfg, weights = configs_from_flags()
     if not FLAGS.plan:
       trainer.check_workdir(run_cfg.workdir)
+      metrics.check_writable_file(run_cfg.loss_log, what="loss_log", workdir=run_cfg.workdir)
       metrics.check_logger()
     source = make_source(data_cfg, model_cfg.max_positions, model_cfg.vocab_size)
     mesh = make_mesh(FLAGS.mesh)

@@ -1,4 +1,4 @@
-"""Throughput and MFU, TensorBoard scalars, and the progress-bar line."""
+"""Throughput and MFU, TensorBoard scalars, the progress-bar line, and the checks that the logs can be written."""
 
 import importlib.util
 import os
@@ -34,6 +34,29 @@ def check_logger():
   imports it only when training starts)."""
   if importlib.util.find_spec("tensorboardX") is None:
     raise ValueError("tensorboardX is not installed, and training logs to TensorBoard: pip install -r requirements.txt")
+
+
+def check_writable_file(path: str, what: str = "file", workdir: str = ""):
+  """Raises ValueError, before anything is written, when `path` cannot be opened for appending: a directory, a
+  read-only file, or a new file whose directory is missing or read-only. A file directly in `workdir` passes while
+  the workdir does not exist yet: the run makes it before opening the file. An empty `path` (no file) passes.
+  `what` names the file in the message (e.g. the flag that gave it)."""
+  if not path:
+    return
+  if os.path.isdir(path):
+    raise ValueError(f"{what} {path} cannot be written: it is a directory")
+  if os.path.exists(path):
+    if not os.access(path, os.W_OK):
+      raise ValueError(f"{what} {path} cannot be written: it is read-only here")
+    return
+  parent = os.path.dirname(os.path.abspath(path))
+  if workdir and parent == os.path.abspath(workdir) and not os.path.exists(parent):
+    return
+  if not os.path.isdir(parent):
+    missing = "is not a directory" if os.path.exists(parent) else "does not exist"
+    raise ValueError(f"{what} {path} cannot be created: {parent} {missing}")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ValueError(f"{what} {path} cannot be created: {parent} is read-only here")
 
 
 class Logger:

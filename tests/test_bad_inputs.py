@@ -1,0 +1,81 @@
+"""Bad input to train.py and generate.py is one `sljax:` line before anything is written: damaged tokenizer,
+safetensors and checkpoint files, unwritable logs, contradicting flags. The checks are tested where they live
+(test_data, test_hf); here, that the CLIs make one line of each."""
+
+import os
+
+import pytest
+import torch
+import transformers
+from absl import flags
+
+import train
+from sljax import metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_TRAIN = ["--set=num_layers=2", "--set=hidden_size=32", "--set=intermediate_size=48", "--set=num_heads=2",
+              "--set=num_kv_heads=1", "--seq_len=16", "--batch_size=2", "--max_tokens=2000", "--warmup_steps=1",
+              "--mesh=data:1,fsdp:1"]  # one device: conftest's eight would only slow the compile
+
+
+def train_in_process(*args) -> dict[int, float]:
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["train.py", *TINY_TRAIN, *args])
+  return train.run()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+  """Real files and their damaged copies: a tokenizer, a Hugging Face directory, a directory in place of a file."""
+  root = tmp_path_factory.mktemp("inputs")
+  (root / "garbage.model").write_bytes(b"\x08\x96\x01 not a sentencepiece ModelProto")
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(
+      vocab_size=256, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+      num_key_value_heads=1, max_position_embeddings=64)
+  transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
+  weights = root / "hf" / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+  (root / "a_directory").mkdir()
+  return {name: str(root / name) for name in ("garbage.model", "hf", "a_directory")} | {"root": str(root)}
+
+
+def test_check_writable_file(tmp_path):
+  check = metrics.check_writable_file
+  check("")  # no file
+  check(str(tmp_path / "new.jsonl"))
+  (tmp_path / "old.jsonl").write_text("{}\n")
+  check(str(tmp_path / "old.jsonl"))
+  check(str(tmp_path / "run" / "loss.jsonl"), workdir=str(tmp_path / "run"))  # the run makes its workdir first
+  refusals = {
+      "it is a directory": str(tmp_path),
+      f"{tmp_path / 'missing'} does not exist": str(tmp_path / "missing" / "loss.jsonl"),
+      f"{tmp_path / 'old.jsonl'} is not a directory": str(tmp_path / "old.jsonl" / "loss.jsonl"),
+  }
+  for reason, path in refusals.items():
+    with pytest.raises(ValueError, match=f"^loss_log {path} cannot be (written|created): {reason}$"):
+      check(path, what="loss_log", workdir=str(tmp_path / "run"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_check_writable_file_refuses_a_read_only_directory(tmp_path):
+  (tmp_path / "ro").mkdir(mode=0o555)
+  with pytest.raises(ValueError, match="is read-only here"):
+    metrics.check_writable_file(str(tmp_path / "ro" / "loss.jsonl"))
+
+
+TRAIN_REFUSALS = {  # a flag (its value a key of `files`) -> the start of the one line
+    "tokenizer": ("garbage.model", "sljax: tokenizer {} cannot be read (not a sentencepiece model: "),
+    "hf_dir": ("hf", "sljax: {}/model.safetensors is not a readable safetensors file, or is truncated ("),
+    "loss_log": ("a_directory", "sljax: loss_log {} cannot be written: it is a directory"),
+}
+
+
+@pytest.mark.parametrize("flag", TRAIN_REFUSALS)
+def test_train_refuses_with_one_line_before_the_workdir_exists(tmp_path, files, flag):
+  name, line = TRAIN_REFUSALS[flag]
+  workdir = tmp_path / "run"
+  with pytest.raises(SystemExit) as info:
+    train_in_process(f"--workdir={workdir}", f"--{flag}={files[name]}")
+  assert str(info.value).startswith(line.format(files[name])) and "\n" not in str(info.value), info.value
+  assert not workdir.exists()
