@@ -19,9 +19,9 @@ import jax
 from absl import app, flags, logging
 
 from models.config import ModelConfig
-from models.hf import HFWeights, config_from_hf
+from models.hf import HFWeights
 from models.presets import PRESETS, build, get_config, parse_overrides
-from sljax.checkpoint import newest_checkpoint, restore_params
+from sljax.checkpoint import CheckpointError, newest_checkpoint, restore_params
 from sljax.data import load_tokenizer
 from sljax.generate import GIB, OffloadConfig, OffloadedGenerator, SamplingConfig, memory_budgets, plan
 
@@ -49,8 +49,10 @@ flags.DEFINE_integer("sub_batches", 0, "Sub-batches sharing each weight fetch (0
 flags.DEFINE_integer("live_layers", OFFLOAD.live_layers, "Layers per group: weights fetched to the device together.")
 flags.DEFINE_integer("resident_layers", -1, "Last layers kept on the device (-1: as many as the plan fits).")
 flags.DEFINE_bool("kv_on_host", None, "KV cache in pinned host memory (default: the plan chooses).")
-flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit, less a margin).")
-flags.DEFINE_float("host_memory_gib", 0, "Pinned host memory the plan may use (0: 90% of RAM, within XLA's pool).")
+flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit less 3% and 1 "
+                   "GiB; on CPU, 45% of RAM less those).")
+flags.DEFINE_float("host_memory_gib", 0, "Pinned host memory the plan may use (0: on a GPU, XLA's pinned pool, "
+                   "$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB or 64 GiB, at most 90% of RAM; on CPU, 45% of RAM).")
 flags.DEFINE_bool("plan", False, "Print the plan (layout, memory, bytes moved per token, estimate) and exit.")
 
 FLAGS = flags.FLAGS
@@ -61,17 +63,40 @@ def model_config() -> ModelConfig:
   sources = [name for name in ("hf_dir", "checkpoint", "random_weights") if FLAGS[name].value]
   if len(sources) > 1:
     raise ValueError(f"give one weight source, not {' and '.join('--' + s for s in sources)}")
+  for source, names in (("hf_dir", "whose config.json names the model"), ("checkpoint", "whose metadata names it")):
+    if FLAGS[source].value and FLAGS["model"].present:
+      raise ValueError(f"give --model or --{source} ({names}), not both")
   overrides = parse_overrides(FLAGS.set)
   if FLAGS.hf_dir:
-    path = os.path.join(FLAGS.hf_dir, "config.json")
-    if not os.path.isfile(path):
-      raise ValueError(f"--hf_dir {FLAGS.hf_dir} is not a Hugging Face model directory: it has no config.json")
-    with open(path) as f:
-      return config_from_hf(json.load(f), **overrides)
+    return HFWeights(FLAGS.hf_dir, **overrides).cfg  # reads config.json and the files' headers, no tensor
   if FLAGS.checkpoint:
-    _, meta = newest_checkpoint(FLAGS.checkpoint)
-    return ModelConfig(**{**meta["model_config"], **overrides})
+    return ModelConfig(**{**read_checkpoint(FLAGS.checkpoint)[0]["model_config"], **overrides})
   return get_config(FLAGS.model, overrides)
+
+
+def read_checkpoint(directory: str, params: bool = False) -> tuple[dict, dict | None]:
+  """(metadata, params if asked) of the newest checkpoint under `directory`; ValueError when it is missing,
+  half-written or truncated."""
+  directory = os.path.abspath(directory)  # orbax refuses relative paths
+  try:
+    step_dir, meta = newest_checkpoint(directory)
+  except (OSError, json.JSONDecodeError) as error:  # the newest step has no readable metadata
+    raise ValueError(f"the newest checkpoint under {directory} cannot be read ({one_line(error)}); delete it to "
+                     "read the one before") from None
+  if "model_config" not in meta:
+    raise ValueError(f"checkpoint {step_dir} was not written by train.py: its metadata has no model_config")
+  try:
+    return meta, restore_params(directory) if params else None
+  except CheckpointError:
+    raise
+  except (OSError, ValueError) as error:
+    raise ValueError(f"checkpoint {step_dir} cannot be read ({one_line(error)}); delete it to read the one "
+                     "before") from None
+
+
+def one_line(error: Exception) -> str:
+  """The error's text on one line, without the kvstore spec that tensorstore appends to its errors."""
+  return " ".join(str(error).split()).split(" [tensorstore_spec=")[0]
 
 
 def codec(path: str | None):
@@ -104,6 +129,9 @@ def read_prompts(path: str) -> list[str]:
 
 
 def make_plan(cfg: ModelConfig, prompt_len: int, prompts: int):
+  for name in ("device_memory_gib", "host_memory_gib"):
+    if FLAGS[name].value < 0:
+      raise ValueError(f"--{name} must be >= 0 (0: the default), got {FLAGS[name].value}")
   device, host = memory_budgets()
   return plan(
       cfg, prompt_len, FLAGS.max_new_tokens, int(FLAGS.device_memory_gib * GIB) or device,
@@ -112,14 +140,16 @@ def make_plan(cfg: ModelConfig, prompt_len: int, prompts: int):
       kv_on_host=FLAGS.kv_on_host, max_batch=prompts or 1024)
 
 
-def load_weights(generator: OffloadedGenerator, cfg: ModelConfig) -> dict:
+def open_weights(cfg: ModelConfig):
+  """What OffloadedGenerator.load reads (None for --random_weights), checked before anything is allocated: the
+  Hugging Face files' headers, or the checkpoint's params, read into host memory."""
   if FLAGS.random_weights:
-    return generator.init(jax.random.key(FLAGS.seed))
+    return None
   if FLAGS.hf_dir:
     # Read in the compute dtype, one layer group at a time straight to its home (device or pinned host): a bf16
     # 70B model is 138 GB, more than the host RAM of many GPU machines.
-    return generator.load(HFWeights(FLAGS.hf_dir, **{**parse_overrides(FLAGS.set), "param_dtype": cfg.dtype}))
-  return generator.load(restore_params(FLAGS.checkpoint))
+    return HFWeights(FLAGS.hf_dir, **{**parse_overrides(FLAGS.set), "param_dtype": cfg.dtype})
+  return read_checkpoint(FLAGS.checkpoint, params=True)[1]
 
 
 def run() -> list[dict]:
@@ -149,11 +179,12 @@ def run() -> list[dict]:
       return []
     if not (FLAGS.hf_dir or FLAGS.checkpoint or FLAGS.random_weights):
       raise ValueError("give the weights: --hf_dir, --checkpoint or --random_weights")
+    stored = open_weights(cfg)
   except ValueError as error:
     raise SystemExit(f"sljax: {error}") from None
 
   generator = OffloadedGenerator(build(cfg), chosen.offload)
-  weights = load_weights(generator, cfg)
+  weights = generator.init(jax.random.key(FLAGS.seed)) if stored is None else generator.load(stored)
   records = []
   for first in range(0, len(prompts), chosen.batch):
     batch = prompts[first:first + chosen.batch]

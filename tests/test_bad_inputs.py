@@ -2,7 +2,12 @@
 safetensors and checkpoint files, unwritable logs, contradicting flags. The checks are tested where they live
 (test_data, test_hf); here, that the CLIs make one line of each."""
 
+import json
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,6 +16,7 @@ from absl import flags
 
 import train
 from sljax import metrics
+from sljax.checkpoint import newest_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_TRAIN = ["--set=num_layers=2", "--set=hidden_size=32", "--set=intermediate_size=48", "--set=num_heads=2",
@@ -79,3 +85,74 @@ def test_train_refuses_with_one_line_before_the_workdir_exists(tmp_path, files, 
     train_in_process(f"--workdir={workdir}", f"--{flag}={files[name]}")
   assert str(info.value).startswith(line.format(files[name])) and "\n" not in str(info.value), info.value
   assert not workdir.exists()
+
+
+# Runs generate.run() once per case in one process, since each CLI run would pay for its own jax start.
+GENERATE_CASES = """
+import json, sys
+from absl import flags
+import generate
+results = []
+for args in json.loads(sys.argv[1]):
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["generate.py", *args])
+  try:
+    results.append({"records": generate.run()})
+  except SystemExit as exit:
+    results.append({"exit": str(exit)})
+print(json.dumps(results))
+"""
+
+
+def _stray_errors(stderr: str) -> set[str]:
+  """The last lines of the tracebacks in stderr, less orbax's known one: restore_params' PyTreeCheckpointer gives up
+  on the first unreadable array while tensorstore still reads others, whose completions then find orbax's event
+  loop closed and print "RuntimeError: Event loop is closed" (now and then, after the one line)."""
+  return {line for line in stderr.splitlines() if re.match(r"[\w.]+(Error|Exception):", line)} - {
+      "RuntimeError: Event loop is closed"}
+
+
+def test_generate_reads_relative_checkpoint_paths_and_refuses_bad_inputs_with_one_line(tmp_path, files):
+  train_in_process(f"--workdir={tmp_path / 'run'}", "--steps=2")
+  step_dirs = {}
+  for damage in ("truncated", "half-written"):  # the newest step's largest file cut in half, or not there at all
+    shutil.copytree(tmp_path / "run", tmp_path / damage)
+    step_dirs[damage], _ = newest_checkpoint(str(tmp_path / damage))
+    largest = max((os.path.join(d, f) for d, _, names in os.walk(step_dirs[damage]) for f in names),
+                  key=os.path.getsize)
+    if damage == "truncated":
+      os.truncate(largest, os.path.getsize(largest) // 2)
+    else:
+      os.remove(largest)
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "prompts.txt").write_text("def fib(n):\nimport os\n")
+  prompts, short = f"--prompt_file={tmp_path / 'prompts.txt'}", "--max_new_tokens=2"
+  relative = os.path.relpath(tmp_path / "run", REPO)  # the docstring's `--checkpoint runs/llama-tiny`
+  cases = {  # (flags, the start of the one line; None: it generates)
+      "relative checkpoint": ([f"--checkpoint={relative}", prompts, short], None),
+      "truncated": ([f"--checkpoint={tmp_path / 'truncated'}", prompts, short],
+                    f"sljax: checkpoint {step_dirs['truncated']} cannot be read ("),
+      "half-written": ([f"--checkpoint={tmp_path / 'half-written'}", prompts, short],
+                       f"sljax: checkpoint {step_dirs['half-written']} cannot be read ("),
+      "no checkpoint": ([f"--checkpoint={tmp_path / 'empty'}", prompts], f"sljax: {tmp_path / 'empty'} holds no "),
+      "model and hf_dir": (["--model=llama-tiny", f"--hf_dir={files['hf']}", prompts],
+                           "sljax: give --model or --hf_dir (whose config.json names the model), not both"),
+      "model and checkpoint": (["--model=llama-tiny", f"--checkpoint={tmp_path / 'run'}", prompts],
+                               "sljax: give --model or --checkpoint (whose metadata names it), not both"),
+      "truncated safetensors": ([f"--hf_dir={files['hf']}", prompts],
+                                f"sljax: {files['hf']}/model.safetensors is not a readable safetensors file, or "),
+      "garbage tokenizer": (["--random_weights", f"--tokenizer={files['garbage.model']}", prompts],
+                            f"sljax: tokenizer {files['garbage.model']} cannot be read (not a sentencepiece "),
+      "negative budget": (["--random_weights", prompts, "--host_memory_gib=-1"],
+                          "sljax: --host_memory_gib must be >= 0 (0: the default), got -1.0"),
+  }
+  result = subprocess.run([sys.executable, "-c", GENERATE_CASES, json.dumps([args for args, _ in cases.values()])],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0 and not _stray_errors(result.stderr), result.stderr  # each case ran to its end
+  outcomes = json.loads(result.stdout.splitlines()[-1])
+  for (case, (_, line)), outcome in zip(cases.items(), outcomes):
+    if line is None:
+      assert [r["prompt"] for r in outcome["records"]] == ["def fib(n):", "import os"], (case, outcome)
+      assert all(len(r["tokens"]) == 2 for r in outcome["records"]), (case, outcome)
+    else:
+      assert outcome.get("exit", "").startswith(line) and "\n" not in outcome["exit"], (case, outcome)
