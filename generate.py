@@ -21,7 +21,7 @@ from absl import app, flags, logging
 from models.config import ModelConfig
 from models.hf import HFWeights
 from models.presets import PRESETS, build, get_config, parse_overrides
-from sljax.checkpoint import CheckpointError, newest_checkpoint, restore_params
+from sljax.checkpoint import newest_checkpoint, restore_params
 from sljax.data import load_tokenizer
 from sljax.generate import GIB, OffloadConfig, OffloadedGenerator, SamplingConfig, memory_budgets, plan
 
@@ -75,28 +75,12 @@ def model_config() -> ModelConfig:
 
 
 def read_checkpoint(directory: str, params: bool = False) -> tuple[dict, dict | None]:
-  """(metadata, params if asked) of the newest checkpoint under `directory`; ValueError when it is missing,
-  half-written or truncated."""
-  directory = os.path.abspath(directory)  # orbax refuses relative paths
-  try:
-    step_dir, meta = newest_checkpoint(directory)
-  except (OSError, json.JSONDecodeError) as error:  # the newest step has no readable metadata
-    raise ValueError(f"the newest checkpoint under {directory} cannot be read ({one_line(error)}); delete it to "
-                     "read the one before") from None
+  """(metadata, params if asked) of the newest checkpoint under `directory`; ValueError (one line) when there is
+  none or it cannot be read."""
+  step_dir, meta = newest_checkpoint(directory)
   if "model_config" not in meta:
     raise ValueError(f"checkpoint {step_dir} was not written by train.py: its metadata has no model_config")
-  try:
-    return meta, restore_params(directory) if params else None
-  except CheckpointError:
-    raise
-  except (OSError, ValueError) as error:
-    raise ValueError(f"checkpoint {step_dir} cannot be read ({one_line(error)}); delete it to read the one "
-                     "before") from None
-
-
-def one_line(error: Exception) -> str:
-  """The error's text on one line, without the kvstore spec that tensorstore appends to its errors."""
-  return " ".join(str(error).split()).split(" [tensorstore_spec=")[0]
+  return meta, restore_params(directory) if params else None
 
 
 def codec(path: str | None):
