@@ -149,10 +149,24 @@ def check_fits(model_name: str, model_cfg: ModelConfig, optim_cfg: OptimConfig, 
 
 
 def check_workdir(workdir: str):
-  """Raises ValueError, before anything is written, when `workdir` cannot be created or written."""
+  """Raises ValueError, before anything is written, when `workdir` cannot be created or written: a URL (checkpoints
+  go to a local or mounted filesystem), a NUL byte, a name longer than the filesystem allows, a broken link on the
+  way, a file where a directory must be, or a read-only directory."""
+  if "://" in workdir:
+    raise ValueError(f"workdir {workdir} is a URL; sljax writes to a local or mounted filesystem (mount the bucket)")
+  if "\0" in workdir:
+    raise ValueError(f"workdir {workdir!r} holds a NUL byte")
   existing = os.path.abspath(workdir)
-  while not os.path.exists(existing):
+  while not os.path.lexists(existing):
     existing = os.path.dirname(existing)
+  if os.path.islink(existing) and not os.path.exists(existing):
+    raise ValueError(f"workdir {workdir} cannot be created: {existing} is a broken link")
+  longest = os.pathconf(existing if os.path.isdir(existing) else os.path.dirname(existing), "PC_NAME_MAX")
+  too_long = [name for name in os.path.relpath(os.path.abspath(workdir), existing).split(os.sep)
+              if len(os.fsencode(name)) > longest]
+  if too_long:
+    raise ValueError(f"workdir {workdir} cannot be created: the name {too_long[0][:40]}... is longer than the "
+                     f"{longest} bytes the filesystem allows")
   if not os.path.isdir(existing):
     raise ValueError(f"workdir {workdir} cannot be created: {existing} is not a directory")
   if not os.access(existing, os.W_OK | os.X_OK):

@@ -300,3 +300,15 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_a_non_zero_exit(tmp_pat
   assert message.startswith(f"sljax: saving step 2 to {tmp_path / 'run' / 'checkpoints'} failed: the disk is full (")
   assert message.endswith("nothing partial was left, newest checkpoint none yet") and "\n" not in message
   assert not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda tmp: "gs://bucket/run", "is a URL; sljax writes to a local or mounted filesystem"),
+    (lambda tmp: str(tmp / "a\0b"), "holds a NUL byte"),
+    (lambda tmp: str(tmp / ("x" * 300) / "run"), "is longer than the 255 bytes the filesystem allows"),
+    (lambda tmp: (os.symlink(tmp / "nowhere", tmp / "link"), str(tmp / "link" / "run"))[1], "is a broken link"),
+    (lambda tmp: ((tmp / "file").write_text(""), str(tmp / "file" / "run"))[1], "is not a directory"),
+], ids=["url", "nul", "long-name", "broken-link", "through-a-file"])
+def test_a_workdir_that_cannot_be_made_is_refused_in_one_line(tmp_path, make, says):
+  with pytest.raises(ValueError, match=says):
+    trainer.check_workdir(make(tmp_path))
