@@ -95,17 +95,18 @@ class StateHandler(ocp.CheckpointHandler):
 
   def save(self, directory: epath.Path, args: StateSave):
     names, paths, leaves = _flatten(args.state)
-    arrays = []
+    arrays, files = [], {}
     for index, part in enumerate(_split(leaves, self.part_bytes)):
       staged = _stage([names[i] for i in part], [leaves[i] for i in part])
       self._write_part(directory, index, [x for x, _ in staged])
+      files.update(_file_sizes(directory, _part_name(index)))
       arrays += [{"name": names[i], "path": paths[i], "dtype": np.dtype(leaves[i].dtype).name,
                   "shape": list(leaves[i].shape), "part": index, "crc32": crc}
                  for i, (_, crc) in zip(part, staged)]
       del staged  # freed before the next part is read
       _return_freed_memory()
     if jax.process_index() == 0:
-      (directory / "manifest.json").write_text(json.dumps({"format": FORMAT, "arrays": arrays}))
+      (directory / "manifest.json").write_text(json.dumps({"format": FORMAT, "arrays": arrays, "files": files}))
 
   def _write_part(self, directory: epath.Path, index: int, arrays: list):
     self._parts.save(directory / _part_name(index), args=ocp.args.PyTreeSave(arrays))
@@ -126,6 +127,9 @@ class StateHandler(ocp.CheckpointHandler):
     return jax.tree.unflatten(jax.tree.structure(args.target), [placed[name] for name in names])
 
   def _read_part(self, directory: epath.Path, index: int, count: int) -> list[np.ndarray]:
+    # A file cut short or missing is found here, before orbax starts reading: orbax gives up on the first array it
+    # cannot read while tensorstore still reads the others, whose completions then print tracebacks.
+    _check_files(directory, _part_name(index), read_manifest(directory)["files"])
     as_numpy = [ocp.RestoreArgs(restore_type=np.ndarray)] * count
     return self._parts.restore(directory / _part_name(index),
                                args=ocp.args.PyTreeRestore(item=[0] * count, restore_args=as_numpy))
@@ -164,6 +168,23 @@ def _return_freed_memory():
   parts stayed resident after each save, 2-24 MiB with it."""
   if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
     _LIBC.malloc_trim(0)
+
+
+def _file_sizes(directory: epath.Path, part: str) -> dict[str, int]:
+  """{path under `directory`: bytes} of every file orbax wrote for `part`."""
+  root = os.fspath(directory)
+  return {os.path.relpath(os.path.join(folder, name), root): os.path.getsize(os.path.join(folder, name))
+          for folder, _, names in os.walk(os.path.join(root, part)) for name in names}
+
+
+def _check_files(directory: epath.Path, part: str, files: dict[str, int]):
+  for path, size in files.items():
+    if path.startswith(part + os.sep):
+      where = os.path.join(os.fspath(directory), path)
+      if not os.path.exists(where):
+        raise _Garbled(f"{path} is missing")
+      if os.path.getsize(where) != size:
+        raise _Garbled(f"{path} holds {os.path.getsize(where)} bytes, {size} were written")
 
 
 def _part_name(index: int) -> str:
