@@ -112,41 +112,40 @@ class StateHandler(ocp.CheckpointHandler):
     self._parts.save(directory / _part_name(index), args=ocp.args.PyTreeSave(arrays))
 
   def restore(self, directory: epath.Path, args: StateRestore):
-    manifest = read_manifest(directory)
     names, _, leaves = _flatten(args.target)
     targets, placed = dict(zip(names, leaves)), {}
-    for index in sorted({entry["part"] for entry in manifest["arrays"]}):
-      entries = [entry for entry in manifest["arrays"] if entry["part"] == index]
-      for entry, value in zip(entries, self._read_part(directory, index, len(entries))):
-        _verify(entry, value)
-        target = targets[entry["name"]]
-        placed[entry["name"]] = jax.make_array_from_callback(
-            tuple(target.shape), target.sharding, lambda where, value=value: value[where])
-      del value
-      _return_freed_memory()
+    for entry, value in self._read_parts(directory):
+      target = targets[entry["name"]]
+      placed[entry["name"]] = jax.make_array_from_callback(
+          tuple(target.shape), target.sharding, lambda where, value=value: value[where])
     return jax.tree.unflatten(jax.tree.structure(args.target), [placed[name] for name in names])
-
-  def _read_part(self, directory: epath.Path, index: int, count: int) -> list[np.ndarray]:
-    # A file cut short or missing is found here, before orbax starts reading: orbax gives up on the first array it
-    # cannot read while tensorstore still reads the others, whose completions then print tracebacks.
-    _check_files(directory, _part_name(index), read_manifest(directory)["files"])
-    as_numpy = [ocp.RestoreArgs(restore_type=np.ndarray)] * count
-    return self._parts.restore(directory / _part_name(index),
-                               args=ocp.args.PyTreeRestore(item=[0] * count, restore_args=as_numpy))
 
   def read_arrays(self, directory: epath.Path, wanted=lambda path: True) -> dict[tuple, np.ndarray]:
     """{path: numpy array} of the saved arrays whose path `wanted` accepts, verified; host memory for them only."""
+    return {tuple(entry["path"]): value
+            for entry, value in self._read_parts(directory, lambda entry: wanted(tuple(entry["path"])))}
+
+  def _read_parts(self, directory: epath.Path, wanted=lambda entry: True):
+    """(manifest entry, verified numpy array) of each saved array `wanted` accepts, reading one part at a time and
+    skipping the parts that hold none of them."""
     manifest = read_manifest(directory)
-    out = {}
     for index in sorted({entry["part"] for entry in manifest["arrays"]}):
       entries = [entry for entry in manifest["arrays"] if entry["part"] == index]
-      if not any(wanted(tuple(entry["path"])) for entry in entries):
+      if not any(map(wanted, entries)):
         continue
-      for entry, value in zip(entries, self._read_part(directory, index, len(entries))):
-        if wanted(tuple(entry["path"])):
+      part = _part_name(index)
+      # A file cut short or missing is found here, before orbax starts reading: orbax gives up on the first array it
+      # cannot read while tensorstore still reads the others, whose completions then print tracebacks.
+      _check_files(directory, part, manifest["files"])
+      as_numpy = [ocp.RestoreArgs(restore_type=np.ndarray)] * len(entries)
+      values = self._parts.restore(directory / part,
+                                   args=ocp.args.PyTreeRestore(item=[0] * len(entries), restore_args=as_numpy))
+      for entry, value in zip(entries, values):
+        if wanted(entry):
           _verify(entry, value)
-          out[tuple(entry["path"])] = value
-    return out
+          yield entry, value
+      del values, value
+      _return_freed_memory()
 
   def metadata(self, directory: epath.Path):
     return read_manifest(directory)
