@@ -85,8 +85,8 @@ def main(argv):
 
   import sljax
   from models.presets import build
-  from sljax.checkpoint import Checkpointer, state_bytes
-  from sljax.memory import PeakResident, resident_bytes
+  from sljax.checkpoint import Checkpointer
+  from sljax.memory import PeakResident, resident_bytes, tree_bytes
   from sljax.optim import OptimConfig, make_optimizer
 
   model = build(cfg)
@@ -147,7 +147,7 @@ def main(argv):
       else "", "model": f"llama13b shapes, {cfg.num_layers} layers" if not FLAGS.smoke else "llama-tiny",
       "batch": f"{rows} x {seq_len}, 4 sub-batches, clipping 1.0, bf16 first moment",
       "placement": f"{device_state_groups(cfg)} of {cfg.num_layers} groups' state on the device, the rest on the host",
-      "state_gib": state_bytes(abstract) / GIB, "host_resident_state_gib": host_resident / GIB,
+      "state_gib": tree_bytes(abstract) / GIB, "host_resident_state_gib": host_resident / GIB,
       "device_resident_state_gib": device_resident / GIB,
       "pinned_pool_limit_gib": float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 0)),
       "staging_budget_gib": staging / GIB, "checkpoint_on_disk_gib": on_disk / GIB,

@@ -31,6 +31,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from sljax.memory import tree_bytes
+
 GIB = 2**30
 STAGING_BYTES = 4 * GIB  # extra host memory a save or restore may use
 # A part in flight costs more host memory than its bytes: the copy out of device memory, orbax's own copy of what it
@@ -66,11 +68,6 @@ class CheckpointWriteError(RuntimeError):
 def abstract_like(state):
   """The shapes, dtypes and shardings (memory kinds included) of `state`: a restore target that allocates nothing."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-
-
-def state_bytes(tree) -> int:
-  """Bytes a checkpoint of `tree` (arrays or ShapeDtypeStructs) takes on disk: its arrays, uncompressed."""
-  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 # ---- the streamed state item ---------------------------------------------------------------------------------------
@@ -208,7 +205,7 @@ def _split(leaves: list, part_bytes: int) -> list[list[int]]:
   """Consecutive leaf indices, each run at most `part_bytes` (a larger leaf is a part of its own)."""
   parts, current, size = [], [], 0
   for i, x in enumerate(leaves):
-    nbytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+    nbytes = tree_bytes(x)
     if current and size + nbytes > part_bytes:
       parts.append(current)
       current, size = [], 0
@@ -318,7 +315,7 @@ class Checkpointer:
     full = getattr(cause, "errno", None) == errno.ENOSPC or "No space left" in str(cause)
     why = "the disk is full" if full else _first_sentence(cause)
     return (f"saving step {step} to {self.directory} failed: {why} ({free / 1e9:.1f} GB free there, a checkpoint "
-            f"takes {state_bytes(state) / 1e9:.1f} GB); nothing partial was left, newest checkpoint {kept}")
+            f"takes {tree_bytes(state) / 1e9:.1f} GB); nothing partial was left, newest checkpoint {kept}")
 
   def restore_latest(self, abstract_state) -> tuple[int, object, dict] | None:
     """(step, state, meta) of the newest checkpoint, laid out as `abstract_state` says; None when there is none.

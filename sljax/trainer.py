@@ -23,9 +23,9 @@ from models.common import params_reader
 from models.config import ModelConfig
 from models.presets import build
 from sljax import metrics, schedule
-from sljax.checkpoint import Checkpointer, check_disk, state_bytes
+from sljax.checkpoint import Checkpointer, check_disk
 from sljax.data import Source
-from sljax.memory import Placement
+from sljax.memory import Placement, tree_bytes
 from sljax.mesh import PER_DEVICE
 from sljax.optim import OptimConfig, learning_rate_schedule, make_optimizer
 from sljax.plan import optimizer_bytes_per_param
@@ -237,7 +237,7 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
   key = jax.random.key(source.cfg.seed)
   directory = os.path.join(run_cfg.workdir, "checkpoints")
   if run_cfg.checkpoint_every:  # before anything is written: a run must not find out at its first save
-    check_disk(directory, state_bytes(engine.abstract(key)), run_cfg.keep_checkpoints,
+    check_disk(directory, tree_bytes(engine.abstract(key)), run_cfg.keep_checkpoints,
                saves=run_cfg.steps // run_cfg.checkpoint_every + 1)
   checkpointer = Checkpointer(directory, run_cfg.checkpoint_every, run_cfg.keep_checkpoints)
 
