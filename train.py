@@ -56,8 +56,8 @@ flags.DEFINE_integer("seed", DATA.seed, "Seeds the data order and the model's in
 # The recipe is the preset's (sljax.optim.RECIPES; a --hf_dir model takes its family's nearest preset's); a flag given
 # replaces its field.
 flags.DEFINE_float("learning_rate", None, "Peak learning rate" + RECIPE + ".")
-flags.DEFINE_integer("warmup_steps", None, "Linear warmup steps (default: the recipe's; a run shorter than that "
-                     "warms up over a tenth of --steps unless --decay_steps is set).")
+flags.DEFINE_integer("warmup_steps", None, "Linear warmup steps (default: the recipe's, at most half of --steps unless "
+                     "--decay_steps is set).")
 # Not OptimConfig's default (0: none): a library user of OptimConfig has no run length to decay over.
 flags.DEFINE_integer("decay_steps", None, "Steps until the rate reaches its floor (default: --steps; 0: constant "
                      "after warmup).")
@@ -160,10 +160,13 @@ def configs_from_flags() -> tuple:
       max_tokens=FLAGS.max_tokens,
       seed=FLAGS.seed)
   warmup = _given("warmup_steps", recipe.optim.warmup_steps)
-  if FLAGS.warmup_steps is None and FLAGS.decay_steps is None and FLAGS.steps <= warmup:
-    warmup = min(max(1, FLAGS.steps // 10), FLAGS.steps - 1)
-    print(f"note: --steps={FLAGS.steps} is not longer than the recipe's {recipe.optim.warmup_steps} warmup steps: "
-          f"warming up over {warmup} and decaying over the {FLAGS.steps} (--warmup_steps, --decay_steps set them)")
+  # Warmup takes at most half of a run: Adam's first updates move every weight by about the rate, all in the
+  # gradient's sign, so a short run that reaches the peak within a few steps diverges at full width.
+  if FLAGS.warmup_steps is None and FLAGS.decay_steps is None and FLAGS.steps < 2 * warmup:
+    warmup = FLAGS.steps // 2
+    print(f"note: --steps={FLAGS.steps} is shorter than twice the recipe's {recipe.optim.warmup_steps} warmup steps: "
+          f"warming up over {warmup} (half the run) and decaying over the {FLAGS.steps} (--warmup_steps, "
+          f"--decay_steps set them)")
   optim_cfg = dataclasses.replace(
       recipe.optim, warmup_steps=warmup, decay_steps=_given("decay_steps", FLAGS.steps),
       **{f: FLAGS[f].value for f in OPTIM_FLAGS if FLAGS[f].value is not None})

@@ -52,9 +52,14 @@ def test_flags_replace_recipe_fields(capsys):
 
 def test_a_short_run_shrinks_warmup_and_decay_with_one_notice(capsys):
   _, _, optim, _, _ = parse("--model=llama13b", "--steps=5")
-  assert (optim.warmup_steps, optim.decay_steps) == (1, 5)
+  assert (optim.warmup_steps, optim.decay_steps) == (2, 5)
   notes = capsys.readouterr().out.splitlines()
-  assert len(notes) == 1 and "warming up over 1" in notes[0]
+  assert len(notes) == 1 and "warming up over 2 (half the run)" in notes[0]
+  _, _, optim, _, _ = parse("--model=llama13b", "--steps=3999")  # warmup never takes more than half a run
+  assert (optim.warmup_steps, optim.decay_steps) == (1999, 3999)
+  _, _, optim, _, _ = parse("--model=llama13b", "--steps=4000")
+  assert (optim.warmup_steps, optim.decay_steps) == (2000, 4000)
+  capsys.readouterr()
   _, _, optim, _, _ = parse("--model=llama13b", "--steps=5", "--warmup_steps=2")  # the user's warmup stands
   assert (optim.warmup_steps, optim.decay_steps) == (2, 5)
 
