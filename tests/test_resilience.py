@@ -25,7 +25,7 @@ from sljax.data import make_source
 from test_train import REPO, TINY, train_in_process
 
 ENGINES = {"device": ["--engine=device"], "offload": ["--engine=offload", "--sub_batches=2", "--live_layers=1"]}
-STEPS = 24
+STEPS = 15
 
 
 def command(workdir, engine: str) -> list[str]:
