@@ -54,8 +54,8 @@ def test_a_run_shorter_than_the_warmup_trains(tmp_path, capsys):
   history = train.run()
   assert sorted(history) == [1, 2, 3, 4, 5] and np.isfinite(list(history.values())).all()
   out = capsys.readouterr().out
-  assert "warming up over 1 and decaying over the 5" in out
-  assert "recipe of llama-tiny (sljax's CPU recipe, flags applied): AdamW lr 0.003, 1 warmup, cosine" in out
+  assert "warming up over 2 (half the run) and decaying over the 5" in out
+  assert "recipe of llama-tiny (sljax's CPU recipe, flags applied): AdamW lr 0.003, 2 warmup, cosine" in out
 
 
 def committed_plan(name: str) -> str:
