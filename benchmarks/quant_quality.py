@@ -1,0 +1,116 @@
+"""What int8 / int4 weight compression (sljax.quant) costs in quality, on a model trained briefly on CPU.
+
+  python benchmarks/quant_quality.py --out=benchmarks/results/quant_quality_cpu.json   # llama-tiny, ~2 min on 2 cores
+  python benchmarks/quant_quality.py --smoke --out=/tmp/quant_smoke.json                # seconds
+
+Trains `--model` for `--steps` steps (AdamW, plain jitted step) on the embedded corpus, then runs held-out text (the
+windows of the steps after training, never trained on in the first epoch) through the model with its layer kernels
+in bf16 (what is streamed today), and dequantized from int8 and int4 (per-group scales, `--group_size`). Reports, per
+format: perplexity, its ratio to bf16, and the largest and mean |logit - bf16 logit|; and the bytes per layer.
+"""
+
+import datetime
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from models.presets import build, get_config  # noqa: E402
+from sljax.data import DataConfig, make_source  # noqa: E402
+from sljax.memory import tree_bytes  # noqa: E402
+from sljax.quant import QuantConfig, dequantize_layers, quantize_layers  # noqa: E402
+
+flags.DEFINE_string("model", "llama-tiny", "Model preset.")
+flags.DEFINE_multi_string("set", [], "Model config override field=value.")
+flags.DEFINE_integer("steps", 400, "Training steps.")
+flags.DEFINE_integer("batch_size", 16, "Sequences per step.")
+flags.DEFINE_integer("seq_len", 128, "Tokens per sequence.")
+flags.DEFINE_float("learning_rate", 3e-3, "AdamW peak rate (20 warmup steps, cosine to 10%).")
+flags.DEFINE_integer("eval_batches", 16, "Held-out batches.")
+flags.DEFINE_integer("group_size", 128, "Contraction rows per scale.")
+flags.DEFINE_bool("smoke", False, "A 2-layer model, 10 steps of 4 x 32: checks the code path in seconds.")
+flags.DEFINE_string("out", "", "Write the results JSON here.")
+FLAGS = flags.FLAGS
+
+
+def overrides() -> dict:
+  pairs = dict(item.split("=", 1) for item in FLAGS.set)
+  if FLAGS.smoke:
+    pairs = {"num_layers": "2", "hidden_size": "128", "intermediate_size": "256", **pairs}
+  return {key: int(value) if value.isdigit() else value for key, value in pairs.items()}
+
+
+def main(argv):
+  del argv
+  steps, eval_batches = (10, 2) if FLAGS.smoke else (FLAGS.steps, FLAGS.eval_batches)
+  batch_size, seq_len = (4, 32) if FLAGS.smoke else (FLAGS.batch_size, FLAGS.seq_len)
+  cfg = get_config(FLAGS.model, {**overrides(), "dtype": "float32"})
+  model = build(cfg)
+  source = make_source(DataConfig(seq_len=seq_len, batch_size=batch_size,
+                                  max_tokens=batch_size * seq_len * (steps + eval_batches + 1)),
+                       cfg.max_positions, cfg.vocab_size)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, FLAGS.learning_rate, min(20, steps // 2), steps,
+                                                FLAGS.learning_rate / 10)
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.1))
+
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(model.loss)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params = model.init(jax.random.key(0))
+  opt_state = optimizer.init(params)
+  losses = []
+  for step in range(steps):
+    params, opt_state, loss = train_step(params, opt_state, source.batch(step))
+    losses.append(float(loss))
+
+  bf16 = build(get_config(FLAGS.model, {**overrides(), "dtype": "bfloat16"}))
+  outer = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params["outer"])
+
+  @jax.jit
+  def logits_and_loss(stacked, batch):  # stacked: bf16 kernels, or compressed ones dequantized here
+    h = bf16.layers(dequantize_layers(stacked, jnp.bfloat16), bf16.embed(outer, batch["inputs"]))
+    logits = bf16.logits(outer, h).astype(jnp.float32)
+    return logits, jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
+
+  formats = {"bf16": jax.tree.map(lambda x: x.astype(jnp.bfloat16), params["layers"])}
+  for bits in (8, 4):
+    formats[f"int{bits}"] = quantize_layers(params["layers"], QuantConfig(bits=bits, group_size=FLAGS.group_size))
+  held_out = [source.batch(steps + i) for i in range(eval_batches)]
+  tokens = sum(batch["targets"].size for batch in held_out)
+  reference = [logits_and_loss(formats["bf16"], batch)[0] for batch in held_out]
+  results = {}
+  for name, stacked in formats.items():
+    total, worst, mean_abs = 0.0, 0.0, 0.0
+    for batch, want in zip(held_out, reference):
+      logits, loss_sum = logits_and_loss(stacked, batch)
+      diff = jnp.abs(logits - want)
+      total, worst, mean_abs = total + float(loss_sum), max(worst, float(diff.max())), mean_abs + float(diff.mean())
+    results[name] = {"perplexity": math.exp(total / tokens), "max_abs_logit_diff": worst,
+                     "mean_abs_logit_diff": mean_abs / len(held_out),
+                     "layer_bytes": tree_bytes(stacked) // cfg.num_layers}
+  for name in results:
+    results[name]["perplexity_over_bf16"] = results[name]["perplexity"] / results["bf16"]["perplexity"]
+    results[name]["bytes_over_bf16"] = results[name]["layer_bytes"] / results["bf16"]["layer_bytes"]
+  out = {"command": " ".join(["python", *sys.argv]),
+         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+         "device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": FLAGS.model, "overrides": overrides(),
+         "train_steps": steps, "train_loss_first_last": [losses[0], losses[-1]], "held_out_tokens": tokens,
+         "group_size": FLAGS.group_size, "formats": results}
+  print(json.dumps(out, indent=1))
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,86 @@
+"""Group-wise int8 / int4 weight compression: the error bound, the bytes, what stays untouched."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.presets import build, get_config
+from sljax.memory import tree_bytes
+from sljax.quant import CODES, QuantConfig, dequantize_kernel, dequantize_layers, group_rows, quantize_kernel, \
+    quantize_layers
+from test_train import REPO
+
+
+def weights(shape, seed=0):
+  rng = np.random.default_rng(seed)
+  w = rng.standard_normal(shape).astype(np.float32) * 0.02
+  w[..., 3, 5] = 0.5  # an outlier: only its own group's scale may grow
+  w[..., 7, :] = 0.0  # exact zeros stay exact
+  return jnp.asarray(w)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group_size", [128, 16, 1000])
+def test_every_value_is_within_half_a_step_of_its_groups_scale(bits, group_size):
+  w = weights((2, 384, 96))
+  packed = quantize_kernel(w, QuantConfig(bits=bits, group_size=group_size))
+  group = group_rows(384, group_size)
+  got = np.asarray(dequantize_kernel(packed, jnp.float32))
+  scale = np.max(np.abs(np.asarray(w).reshape(2, 384 // group, group, 96)), axis=2) / CODES[bits]
+  step = np.repeat(scale, group, axis=1)  # [2, 384, 96]: each value's exact scale
+  bound = step * (0.5 + CODES[bits] * 2.0**-10)  # half a code, plus the float16 rounding of the scale
+  assert np.all(np.abs(got - np.asarray(w)) <= bound + 1e-12)
+  assert np.all(got[..., 7, :] == 0)
+  if group < 384:  # rows outside the outlier's group (row 3 is in the first): their steps stay small
+    assert np.max(np.abs(got[:, group:, :] - np.asarray(w)[:, group:, :])) <= 0.02 * 6 / CODES[bits]
+
+
+def test_group_is_the_largest_divisor_of_the_contraction_axis_up_to_the_asked_size():
+  assert group_rows(4096, 128) == 128 and group_rows(688, 128) == 86 and group_rows(11008, 128) == 128
+  assert group_rows(7, 128) == 7 and group_rows(13, 4) == 1
+
+
+@pytest.mark.parametrize("family, preset", [("llama", "llama-tiny"), ("opt", "opt-125m")])
+def test_only_kernels_are_compressed_and_the_bytes_shrink_as_documented(family, preset):
+  model = build(get_config(preset, {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                                   "num_kv_heads": 2}))
+  stacked = model.init_layers(jax.random.split(jax.random.key(0), 2))
+  bf16 = tree_bytes(jax.tree.map(lambda x: x.astype(jnp.bfloat16), stacked))
+  kernels = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(stacked) if path[-1].key == "kernel")
+  others = sum(x.size * 4 for path, x in jax.tree_util.tree_leaves_with_path(stacked) if path[-1].key != "kernel")
+  for bits in (8, 4):
+    packed = quantize_layers(stacked, QuantConfig(bits=bits))
+    restored = dequantize_layers(packed, jnp.float32)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(stacked):
+      if path[-1].key != "kernel":  # norm scales and biases: untouched, bit for bit
+        np.testing.assert_array_equal(restored[path[0].key][path[1].key], leaf)
+    codes = kernels * bits // 8
+    scales = sum(x.size * 2 for path, x in jax.tree_util.tree_leaves_with_path(packed)
+                 if path[-2].key == "kernel" and path[-1].key == "scale")
+    assert tree_bytes(packed) == codes + scales + others
+    assert tree_bytes(packed) < (0.52 if bits == 8 else 0.27) * bf16 + others
+
+
+def test_bad_configs_are_refused():
+  with pytest.raises(ValueError, match="bits must be 8 or 4"):
+    QuantConfig(bits=3)
+  with pytest.raises(ValueError, match="group_size must be >= 1"):
+    QuantConfig(group_size=0)
+  with pytest.raises(ValueError, match="int4 packs output columns in pairs"):
+    quantize_kernel(jnp.ones((1, 4, 3)), QuantConfig(bits=4))
+
+
+def test_quality_smoke_on_a_briefly_trained_model(tmp_path):
+  out = tmp_path / "quality.json"
+  subprocess.run([sys.executable, "benchmarks/quant_quality.py", "--smoke", f"--out={out}"], cwd=REPO, check=True,
+                 capture_output=True)
+  formats = json.loads(out.read_text())["formats"]
+  assert formats["bf16"]["max_abs_logit_diff"] == 0
+  assert 1 - 1e-3 < formats["int8"]["perplexity_over_bf16"] < 1.01 and formats["int8"]["bytes_over_bf16"] < 0.55
+  assert 1 - 1e-2 < formats["int4"]["perplexity_over_bf16"] < 1.05 and formats["int4"]["bytes_over_bf16"] < 0.3
+  assert 0 < formats["int8"]["max_abs_logit_diff"] < formats["int4"]["max_abs_logit_diff"] < 1.0
