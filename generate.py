@@ -8,7 +8,8 @@
 
 One prompt per line of --prompt_file (blank lines skipped); prints one JSON line per prompt, in order:
 {"prompt", "completion", "tokens": ids generated, the stop token included}. The layout (batch, sub-batches, resident
-layers, where the KV cache lives) comes from sljax.generate.plan, except what the flags fix; --plan prints it and exits.
+layers, where the KV cache lives) comes from sljax.generate_plan.plan, except what the flags fix; --plan prints it and
+exits.
 """
 
 import dataclasses
@@ -23,7 +24,9 @@ from models.hf import HFWeights
 from models.presets import PRESETS, build, get_config, parse_overrides
 from sljax.checkpoint import newest_checkpoint, restore_params
 from sljax.data import load_tokenizer
-from sljax.generate import GIB, OffloadConfig, OffloadedGenerator, SamplingConfig, memory_budgets, plan
+from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig
+from sljax.generate_plan import memory_budgets, plan
+from sljax.machines import GIB, default_host_budget_help
 
 DEFAULT_MODEL = "llama-tiny"
 SAMPLING, OFFLOAD = SamplingConfig(), OffloadConfig()  # the defaults the flags expose
@@ -51,8 +54,8 @@ flags.DEFINE_integer("resident_layers", -1, "Last layers kept on the device (-1:
 flags.DEFINE_bool("kv_on_host", None, "KV cache in pinned host memory (default: the plan chooses).")
 flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit less 3% and 1 "
                    "GiB; on CPU, 45% of RAM less those).")
-flags.DEFINE_float("host_memory_gib", 0, "Pinned host memory the plan may use (0: on a GPU, XLA's pinned pool, "
-                   "$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB or 64 GiB, at most 90% of RAM; on CPU, 45% of RAM).")
+flags.DEFINE_float("host_memory_gib", 0, "Pinned host memory the plan may use (0: "
+                   f"{default_host_budget_help()}).")
 flags.DEFINE_bool("plan", False, "Print the plan (layout, memory, bytes moved per token, estimate) and exit.")
 
 FLAGS = flags.FLAGS

@@ -9,16 +9,16 @@ checkpoint in --workdir.
 """
 
 import dataclasses
-import glob
 import logging as std_logging
 import math
 import os
 
-from sljax.machines import CPU_MEMORY_FRACTION, MACHINES, PINNED_FRACTION, XLA_MEMORY_FRACTION, ram_bytes
+from sljax.machines import (MACHINES, PINNED_POOL_ENV, cap_pinned_pools, default_host_budget_help,
+                            reserve_gpu_memory)
 
 # The plan packs optimizer state into the device memory it is given: give XLA nearly all of each GPU (the benchmarks
-# run at this value). Read when the backend starts, which importing jax does not do; a value set by the user wins.
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(XLA_MEMORY_FRACTION))
+# run at this value). Read when the backend starts, which importing jax does not do.
+reserve_gpu_memory()
 
 import jax
 from absl import app, flags, logging
@@ -102,7 +102,7 @@ flags.DEFINE_enum("target", "", ["", *MACHINES], "With --plan: plan for one GPU 
                   "pinned budget, peak and copy rate from sljax.machines) instead of this machine's device.")
 flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit).")
 flags.DEFINE_float("host_memory_gib", 0, "Pinned host memory this process may use, split evenly among its devices "
-                   f"(0: {PINNED_FRACTION:.0%} of RAM with a GPU; on CPU {CPU_MEMORY_FRACTION / 2:.0%} of RAM).")
+                   f"(0: {default_host_budget_help()}).")
 
 FLAGS = flags.FLAGS
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -331,24 +331,13 @@ def main(argv):
 
 
 def set_pinned_pool():
-  """XLA gives each GPU its own pinned host pool (64 GiB by default), which grows by doubling regions and never
-  shrinks; before the backend starts, cap each GPU's at its share of --host_memory_gib plus 10% (or of the default
-  budget, PINNED_FRACTION of RAM), so that host-resident state fits but the pools' growth cannot take the whole
-  machine. ValueError on a bad --host_memory_gib."""
-  if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in os.environ:
+  """Caps each GPU's pinned pool at its share of --host_memory_gib plus 10% (or of the default host budget), so that
+  host-resident state fits but the pools' growth cannot take the whole machine. ValueError on a bad
+  --host_memory_gib."""
+  if PINNED_POOL_ENV in os.environ:
     return
   host_memory_gib = memory_flags()[1]
-  process_bytes = host_memory_gib * GIB * 1.1 if host_memory_gib else PINNED_FRACTION * ram_bytes()
-  os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(int(process_bytes / local_gpu_count() / GIB), 1))
-
-
-def local_gpu_count() -> int:
-  """The GPUs this process will see, counted without starting a backend (CUDA_VISIBLE_DEVICES, else the driver's
-  list); 1 where neither says."""
-  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-  if visible is not None:
-    return max(len([d for d in visible.split(",") if d.strip()]), 1)
-  return max(len(glob.glob("/proc/driver/nvidia/gpus/*")), 1)
+  cap_pinned_pools(host_memory_gib * GIB * 1.1 if host_memory_gib else None)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,23 @@
   engine = sljax.Engine(model, optax.adamw(3e-4), sljax.EngineConfig(sub_batches=4, live_layers=1))
   state = engine.init(jax.random.key(0))
   state, loss = engine.step(state, batch)  # batch: {"inputs", "targets", "weights"} [B, S] numpy arrays
+
+The names below are imported on first use, so that importing one module (sljax.generate, say) loads only what it
+needs: inference never loads the training engine.
 """
 
-from sljax.memory import Placement
-from sljax.plan import Budget, make_plan
-from sljax.schedule import Engine, EngineConfig
+import importlib
 
-__all__ = ["Budget", "Engine", "EngineConfig", "Placement", "make_plan"]
+_HOMES = {"Budget": "sljax.machines", "Engine": "sljax.schedule", "EngineConfig": "sljax.schedule",
+          "Placement": "sljax.memory", "make_plan": "sljax.plan"}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+  if name not in _HOMES:
+    raise AttributeError(f"module 'sljax' has no attribute {name!r}")
+  return getattr(importlib.import_module(_HOMES[name]), name)
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

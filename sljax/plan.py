@@ -8,7 +8,6 @@ memory comes from XLA's compiled memory analysis of the group steps, not from a 
 
 import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,8 @@ import optax
 
 from models.config import ModelConfig
 from models.presets import build, get_config
-from sljax.machines import CPU_MEMORY_FRACTION, GIB, PINNED_FRACTION, REFERENCE, Machine, machine_of, ram_bytes
+from sljax.machines import (GIB, REFERENCE, Budget, Machine, default_budget, rates_of,  # noqa: F401 (re-exported)
+                            target_budget)
 from sljax.schedule import Engine, EngineConfig
 
 # A step is compute-bound "with a margin" when its predicted compute is at least this many times the copies that must
@@ -29,12 +29,6 @@ MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
 # 8.5 GiB on the H200 ("compiled step peak" in the plans of benchmarks/results/train_throughput_h200.json and
 # train_scaling*_h200x2.json, printed to 0.1 GiB). See gpu_peak_from_cpu.
 GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(8.5 * GIB)
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-  device_bytes: int
-  host_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,26 +93,6 @@ class Plan:
 def _tier(name, parts, budget):
   items = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items() if v)
   return f"{name}: {sum(parts.values()) / GIB:.1f} of {budget / GIB:.1f} GiB ({items})"
-
-
-def default_budget(device: jax.Device | None = None, sharing: int = 1) -> Budget:
-  """One device's budget here: the allocator's limit on the accelerator; for pinned host memory its share (over the
-  `sharing` devices of this process that keep host state side by side) of PINNED_FRACTION of RAM, capped by XLA's
-  pinned pool, which each GPU has for itself (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, 64 unless set; train.py sets
-  it). On CPU, device and host each get half of CPU_MEMORY_FRACTION of RAM."""
-  device = device or jax.devices()[0]
-  if device.platform == "cpu":
-    host = int(ram_bytes() * CPU_MEMORY_FRACTION) // sharing
-    return Budget(device_bytes=host // 2, host_bytes=host // 2)
-  pinned_pool = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * GIB
-  return Budget(device_bytes=int(device.memory_stats()["bytes_limit"]),
-                host_bytes=min(int(PINNED_FRACTION * ram_bytes()) // sharing, pinned_pool))
-
-
-def target_budget(machine: Machine, sharing: int = 1) -> Budget:
-  """One GPU's budget on `machine` as train.py would give it there: the allocator's limit, and its share of the
-  pinned budget (PINNED_FRACTION of the machine's assumed RAM)."""
-  return Budget(device_bytes=machine.allocator_bytes, host_bytes=machine.pinned_bytes // sharing)
 
 
 _PEAKS: dict = {}  # compiled peaks by (model, layers per group, sub-batch rows, seq_len): compiling takes seconds
@@ -208,7 +182,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   local = jax.devices()[0]
   if target is not None and local.platform == "cpu":
     peak = gpu_peak_from_cpu(peak)
-  machine = target or machine_of(local.device_kind) or REFERENCE
+  machine = target or rates_of(local.device_kind)
   fixed_device = {
       # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
       # per step) and the per-device gradient accumulator.

@@ -25,6 +25,7 @@ from models.presets import build
 from sljax import metrics, schedule
 from sljax.checkpoint import Checkpointer, check_disk
 from sljax.data import Source
+from sljax.machines import GIB, available_ram_bytes
 from sljax.memory import Placement, tree_bytes
 from sljax.mesh import PER_DEVICE
 from sljax.optim import OptimConfig, learning_rate_schedule, make_optimizer
@@ -131,9 +132,7 @@ def memory_available(device: jax.Device) -> int | None:
   """Bytes a training state may use: the accelerator's allocator limit, or the host's available RAM on CPU; None
   when the platform does not say."""
   if device.platform == "cpu":
-    with open("/proc/meminfo") as f:
-      fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024
+    return available_ram_bytes()
   return (device.memory_stats() or {}).get("bytes_limit")
 
 
@@ -141,10 +140,9 @@ def check_fits(model_name: str, model_cfg: ModelConfig, optim_cfg: OptimConfig, 
   """Raises ValueError before anything is allocated when the all-on-device training state cannot fit."""
   needed, available = training_state_bytes(model_cfg, optim_cfg), memory_available(device)
   if available is not None and needed > available:
-    gib = 2**30
     raise ValueError(
-        f"{model_name} ({model_cfg.param_count() / 1e9:.2f} B params) needs {needed / gib:.1f} GiB for weights, "
-        f"gradients and Adam moments, but {device.device_kind} {device.id} has {available / gib:.1f} GiB; "
+        f"{model_name} ({model_cfg.param_count() / 1e9:.2f} B params) needs {needed / GIB:.1f} GiB for weights, "
+        f"gradients and Adam moments, but {device.device_kind} {device.id} has {available / GIB:.1f} GiB; "
         f"train it with the offload engine (--engine=offload)")
 
 

@@ -18,7 +18,9 @@ from models.hf import HFWeights, load_hf
 from models.presets import build, get_config
 from sljax import generate as gen
 from sljax.checkpoint import Checkpointer, restore_params
-from sljax.generate import GIB, OffloadConfig, OffloadedGenerator, SamplingConfig, generate_on_device, plan
+from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig, generate_on_device
+from sljax.generate_plan import footprint, plan
+from sljax.machines import GIB
 from sljax.memory import HOST
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,7 +200,7 @@ def test_plan_fits_the_budgets_and_streams_what_does_not_fit():
   chosen = plan(cfg, 512, 32, device, host)
   o = chosen.offload
   assert chosen.device_bytes <= device and chosen.host_bytes <= host
-  assert gen.footprint(cfg, o, chosen.batch, 512, 544) == (chosen.device_bytes, chosen.host_bytes)
+  assert footprint(cfg, o, chosen.batch, 512, 544) == (chosen.device_bytes, chosen.host_bytes)
   assert 0 < o.resident_layers < cfg.num_layers  # 138 GB of weights: some layers must stream
   assert chosen.batch % o.sub_batches == 0
   layer_bytes = cfg.layer_param_count() * 2
@@ -259,6 +261,17 @@ def test_params_restore_from_both_training_states(tmp_path):
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
       assert isinstance(a, np.ndarray)
       np.testing.assert_array_equal(a, np.asarray(b))
+
+
+TRAINING = ("sljax.plan", "sljax.schedule", "sljax.trainer", "sljax.optim")
+
+
+def test_inference_imports_nothing_of_training():
+  """The generator and its planner stand on their own: a fresh process that imports both loads no training module."""
+  loaded = subprocess.run(
+      [sys.executable, "-c", "import sys, sljax.generate, sljax.generate_plan; print(' '.join(sys.modules))"],
+      cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+  assert "sljax.generate_plan" in loaded and not set(TRAINING) & set(loaded)
 
 
 def _cli(*args):
