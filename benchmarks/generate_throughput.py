@@ -1,31 +1,20 @@
 """Generation throughput on one GPU: sljax's offloaded generator on models whose weights and cache exceed the GPU.
 
-  python benchmarks/generate_throughput.py --models=llama70b --out=benchmarks/results/generate_llama70b_h200.json
-  python benchmarks/generate_throughput.py --models=opt-30b --out=benchmarks/results/generate_opt30b_h200.json
-  python benchmarks/generate_throughput.py --smoke --out=/tmp/generate_smoke.json   # tiny shapes, any machine
+  python -m benchmarks.generate_throughput --models=llama70b --out=benchmarks/results/generate_llama70b_h200.json
+  python -m benchmarks.generate_throughput --models=opt-30b --out=benchmarks/results/generate_opt30b_h200.json
+  python -m benchmarks.generate_throughput --smoke --out=/tmp/generate_smoke.json   # tiny shapes, any machine
 
 Per model: random bf16 weights, made one layer group at a time straight into their place (device or pinned host);
 random prompts of --prompt_len tokens; the plan's batch and layout unless flags fix them; one warm-up generation
 (2 new tokens, same shapes: it compiles everything), then one timed greedy generation of --new_tokens. Recorded:
 tokens/s for the prompt pass, for decoding and overall; bytes moved per generated token (planned and counted); the
 measured pinned host<->device bandwidth and the decode throughput it bounds; the plan's own estimates.
-Same workload through transformers + accelerate: benchmarks/baselines/hf_accelerate_generate.py.
+Same workload through transformers + accelerate: benchmarks.baselines.hf_accelerate_generate.
 """
 
-import os
-
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.97")
-# XLA's pinned host pool grows by doubling regions: uncapped, it took the 128 GiB machine's RAM for 63 GiB of live
-# buffers (benchmarks/train_throughput.py). The cap bounds the pool; --host_memory_gib keeps the plan below it.
-os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "96")
-
-import datetime
 import gc
-import json
-import platform
 import resource
 import statistics
-import sys
 import time
 
 import jax
@@ -33,11 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models.presets import build, get_config  # noqa: E402
-from sljax.generate import (GIB, OffloadedGenerator, SamplingConfig, memory_budgets,  # noqa: E402
-                            plan)
-from sljax.memory import Placement  # noqa: E402
+from benchmarks.common import GENERATION_SMOKE, provenance, set_xla_memory, write_results
+from models.presets import build, get_config
+from sljax.generate import OffloadedGenerator, SamplingConfig
+from sljax.generate_plan import memory_budgets, plan
+from sljax.machines import GIB
+from sljax.memory import Placement
+
+# The pinned pool is capped above the default --host_memory_gib: uncapped, it grows by doubling past what the
+# 128 GiB machine has.
+set_xla_memory(pinned_pool_gib=96)
 
 flags.DEFINE_list("models", ["llama70b", "opt-30b"], "Presets to run, in order.")
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens per row.")
@@ -56,12 +50,6 @@ flags.DEFINE_float("bandwidth_gib", 2, "Size of the buffer timed for the host<->
 flags.DEFINE_string("out", "", "Write the results JSON here (rewritten after every model).")
 flags.DEFINE_bool("smoke", False, "Tiny shapes, a streamed layout: checks every code path on any machine.")
 FLAGS = flags.FLAGS
-
-SMOKE = {  # same families, CPU-sized; the smoke run also forces streaming and a host-resident cache
-    "llama": dict(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=512),
-    "opt": dict(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=512,
-                max_positions=128),
-}
 
 
 def measure_bandwidth(nbytes: int, reps: int = 5) -> dict:
@@ -89,7 +77,7 @@ def measure_bandwidth(nbytes: int, reps: int = 5) -> dict:
 def model_config(name: str):
   overrides = dict(dtype="bfloat16", param_dtype="bfloat16")
   if FLAGS.smoke:
-    overrides.update(SMOKE[get_config(name).family])
+    overrides.update(GENERATION_SMOKE[get_config(name).family])
   return get_config(name, overrides)
 
 
@@ -185,17 +173,8 @@ def measure(cfg, chosen, prompt_len: int, new_tokens: int, bandwidth: dict) -> d
 
 
 def write(results: list, bandwidth: dict):
-  out = {
-      "command": " ".join([sys.executable, *sys.argv]),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "jax": jax.__version__,
-      "python": platform.python_version(), "smoke": FLAGS.smoke, "bandwidth_bytes_per_s": bandwidth,
-      "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")},
-      "results": results}
-  if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      json.dump(out, f, indent=1)
+  write_results(FLAGS.out, {**provenance(), "platform": jax.devices()[0].platform, "smoke": FLAGS.smoke,
+                            "bandwidth_bytes_per_s": bandwidth, "results": results})
 
 
 def main(argv):

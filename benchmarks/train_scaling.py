@@ -1,7 +1,7 @@
 """Weak scaling of the SpeedLoader engine over GPUs: llama13b on one GPU, then data parallel and FSDP over --gpus.
 
-  python benchmarks/train_scaling.py --out=benchmarks/results/train_scaling_h200x2.json   # kind nvidia-h200-x2
-  python benchmarks/train_scaling.py --smoke   # tiny model on 8 fake CPU devices: checks the code paths
+  python -m benchmarks.train_scaling --out=benchmarks/results/train_scaling_h200x2.json   # kind nvidia-h200-x2
+  python -m benchmarks.train_scaling --smoke   # tiny model on 8 fake CPU devices: checks the code paths
 
 Every case keeps the per-GPU work of the one-GPU case (same rows per GPU, same plan: sub-batches, live layers,
 activation placement), so tokens/s per GPU over the one-GPU case's is the weak-scaling efficiency (goal >= 0.9):
@@ -19,26 +19,21 @@ import sys
 
 if "--smoke" in sys.argv:  # before jax starts: 8 CPU devices stand in for GPUs
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.97")
 
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import REPO, batch_of, provenance, set_xla_memory, timed, write_results  # noqa: E402
 from models.presets import build, get_config  # noqa: E402
-from sljax import metrics  # noqa: E402
+from sljax import machines, metrics  # noqa: E402
 from sljax import plan as planner  # noqa: E402
 from sljax.memory import Placement  # noqa: E402
 from sljax.mesh import make_mesh  # noqa: E402
@@ -64,33 +59,20 @@ RESULTS = []
 FACTS = {}
 
 
-def batch_of(rows, seq, vocab, seed=0):
-  tokens = np.random.default_rng(seed).integers(0, vocab, (rows, seq + 1)).astype(np.int32)
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((rows, seq), np.float32)}
-
-
 def run_case(name, model, engine_cfg, place, rows_per_gpu, seq, steps):
-  """Init, one warm-up step, `steps` timed steps (each waited for at its end); the bytes of the last step."""
+  """Init, one warm-up step, `steps` timed steps (each waited for at its end); the bytes each step moves."""
   gpus = place.mesh.size
   batch = batch_of(rows_per_gpu * gpus, seq, model.cfg.vocab_size)
   engine = Engine(model, optax.adamw(1e-4, weight_decay=0.1), engine_cfg, place)
   start = time.perf_counter()
   state = jax.block_until_ready(engine.init(jax.random.key(0)))
   print(f"{name}: mesh {dict(place.mesh.shape)}, initialized in {time.perf_counter() - start:.0f} s", flush=True)
-  state, loss = engine.step(state, batch)
-  jax.block_until_ready(loss)
-  times, losses = [], []
-  for _ in range(steps):
-    before = dict(place.moved)
-    start = time.perf_counter()
-    state, loss = engine.step(state, batch)
-    losses.append(float(loss))  # waits for the step
-    times.append(time.perf_counter() - start)
-  moved = {kind: place.moved[kind] - before[kind] for kind in before}
+  before = dict(place.moved)
+  seconds, times, losses, state = timed(engine.step, state, batch, steps)
+  moved = {kind: (place.moved[kind] - before[kind]) // (steps + 1) for kind in before}  # every step moves the same
   del state
   gc.collect()
 
-  seconds = statistics.median(times)
   tokens_per_s = rows_per_gpu * gpus * seq / seconds
   result = {
       "case": name, "mesh": dict(place.mesh.shape), "gpus": gpus, "rows": rows_per_gpu * gpus, "seq_len": seq,
@@ -117,18 +99,9 @@ def keep(result, facts=None):
     if one and "tokens_per_s_per_gpu" in r:
       r["weak_scaling_efficiency"] = r["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
   if facts is None:
-    devices = jax.devices()
-    facts = {"device": devices[0].device_kind, "devices": len(devices), "jax": jax.__version__,
-             "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                                     "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "XLA_FLAGS")}}
-  if facts:
-    FACTS.update(facts)
-  out = {"command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), **FACTS,
-         "optax": optax.__version__, "python": platform.python_version(), "model": FLAGS.model, "results": RESULTS}
-  if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      json.dump(out, f, indent=1)
+    facts = {**provenance(), "devices": len(jax.devices())}
+  FACTS.update(facts)
+  write_results(FLAGS.out, {**provenance(device=None), **FACTS, "model": FLAGS.model, "results": RESULTS})
 
 
 def run_in_child(name):
@@ -136,9 +109,9 @@ def run_in_child(name):
   child's exit status and last output lines; the child's device facts, or {} when it failed)."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, f"{name}.json")
-    argv = [sys.executable, os.path.abspath(__file__),
+    argv = [sys.executable, "-m", "benchmarks.train_scaling",
             *[a for a in sys.argv[1:] if not a.startswith(("--cases=", "--out="))], f"--cases={name}", f"--out={out}"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail = []
     for line in proc.stdout:
       sys.stdout.write(line)
@@ -146,7 +119,7 @@ def run_in_child(name):
     if proc.wait() == 0 and os.path.exists(out):
       with open(out) as f:
         child = json.load(f)
-      return child["results"][0], {k: child[k] for k in ("device", "devices", "jax", "env")}
+      return child["results"][0], {k: child[k] for k in ("date", "device", "devices", "versions", "env")}
   print(f"{name}: failed with exit status {proc.returncode}", flush=True)
   return {"case": name, "status": "failed", "exit_status": proc.returncode, "output_tail": tail}, {}
 
@@ -160,11 +133,9 @@ def main(argv):
     for name in FLAGS.cases:
       keep(*run_in_child(name))
     return
-  # XLA gives each GPU its own pinned-host pool (GiB; grows by doubling regions up to this cap, never shrinks). Data
-  # parallel keeps a full copy of the host-resident state per GPU; with a 178 GiB cap the run's host memory (log in
-  # benchmarks/results/) fit two pools doubling past what the 256 GiB machine had. Cap each at the plan's per-GPU
-  # budget. Set before the backend starts.
-  os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(FLAGS.host_memory_gib * 1.05)))
+  # Data parallel keeps a full copy of the host-resident state per GPU: cap each GPU's pinned pool just above the
+  # plan's per-GPU budget, or two pools doubling past their buffers take more than the machine has.
+  set_xla_memory(pinned_pool_gib=int(FLAGS.host_memory_gib * 1.05))
   gpus, seq, rows = FLAGS.gpus, FLAGS.seq_len, FLAGS.rows_per_gpu
   overrides = {"remat": False}  # the engine's backward recomputes each group: no per-layer remat on top
   if FLAGS.smoke:
@@ -172,7 +143,7 @@ def main(argv):
                      vocab_size=256)
     seq, rows = 32, 4
   model = build(get_config(FLAGS.model, overrides))
-  budget = dataclasses.replace(planner.default_budget(), host_bytes=int(FLAGS.host_memory_gib * planner.GIB))
+  budget = dataclasses.replace(machines.default_budget(), host_bytes=int(FLAGS.host_memory_gib * machines.GIB))
   plan = planner.make_plan(model, seq, rows, budget)  # one GPU's work: every case keeps it per GPU
   print(plan.describe(), flush=True)
   engine_cfg = plan.engine

@@ -1,7 +1,7 @@
 """Training throughput on one GPU: the SpeedLoader engine against the plain step and two streaming baselines.
 
-  python benchmarks/train_throughput.py --out=benchmarks/results/train_throughput_h200.json
-  python benchmarks/train_throughput.py --smoke   # tiny shapes, any machine: checks the code paths
+  python -m benchmarks.train_throughput --out=benchmarks/results/train_throughput_h200.json
+  python -m benchmarks.train_throughput --smoke   # tiny shapes, any machine: checks the code paths
 
 Cases (each recorded with tokens/s, MFU, hardware FLOPs utilization, peak device / host memory, bytes moved):
   big        llama13b, seq 2048, the plan's placement (its training state fits neither the GPU nor host RAM alone)
@@ -13,20 +13,8 @@ Cases (each recorded with tokens/s, MFU, hardware FLOPs utilization, peak device
              in_jit_scan weights streamed by a lax.scan inside one jit with device_put in its body (JAX's native way)
 """
 
-import os
-
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.97")
-# XLA's pinned host pool (64 GB by default) grows by doubling regions: uncapped, 63 GiB of live buffers took 128 GB
-# of RAM and the kernel killed the run on the 128 GiB machine. The cap bounds the pool, and the plan stays below it.
-os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "96")
-
 import dataclasses
-import datetime
-import json
-import platform
 import resource
-import statistics
-import sys
 import time
 
 import jax
@@ -36,11 +24,16 @@ import optax
 from absl import app, flags
 from jax import lax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models.presets import build, get_config  # noqa: E402
-from sljax import plan as planner  # noqa: E402
-from sljax.memory import Placement  # noqa: E402
-from sljax.schedule import Engine  # noqa: E402
+from benchmarks.common import batch_of, provenance, set_xla_memory, timed, write_results
+from models.presets import build, get_config, parse_overrides
+from sljax import plan as planner
+from sljax.machines import GIB, default_budget, rates_of
+from sljax.memory import Placement, prefetch
+from sljax.schedule import Engine
+
+# The pinned pool is capped above the plan's default --host_memory_gib: uncapped, it grows by doubling past what the
+# 128 GiB machine has.
+set_xla_memory(pinned_pool_gib=96)
 
 flags.DEFINE_string("out", "", "Write the results JSON here.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes: checks every code path on any machine in a minute.")
@@ -58,31 +51,10 @@ flags.DEFINE_string("trace_case", "fits/streamed", "Case whose step is traced.")
 flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan may use (below XLA's pinned pool limit).")
 FLAGS = flags.FLAGS
 
-PEAK = 989e12
-
-
-def batch_of(rows, seq, vocab, seed=0):
-  tokens = np.random.default_rng(seed).integers(0, vocab, (rows, seq + 1)).astype(np.int32)
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((rows, seq), np.float32)}
-
-
 def hardware_flops_per_token(cfg, seq, recomputed_fraction):
   """Model FLOPs plus the forward passes the schedule runs twice (a third of a layer's training FLOPs each)."""
   layer_part = cfg.flops_per_token(seq) - 6 * cfg.vocab_size * cfg.embed_dim
   return cfg.flops_per_token(seq) + recomputed_fraction * layer_part / 3
-
-
-def timed(step, state, batch, steps):
-  """Median seconds per step after one warm-up step; waits only at the end of each step."""
-  state, loss = step(state, batch)
-  jax.block_until_ready(loss)
-  times, losses = [], []
-  for _ in range(steps):
-    start = time.perf_counter()
-    state, loss = step(state, batch)
-    losses.append(float(loss))  # waits for the step
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), times, losses, state
 
 
 def device_peak_bytes():
@@ -90,12 +62,17 @@ def device_peak_bytes():
   return stats.get("peak_bytes_in_use")
 
 
+def peak_flops() -> float:
+  """This GPU's peak from sljax.machines (on CPU, the reference machine's: smoke runs' MFU means nothing)."""
+  return rates_of(jax.devices()[0].device_kind).peak_flops
+
+
 def record(name, cfg, rows, seq, seconds, times, losses, recomputed_fraction, extra):
   tokens_per_s = rows * seq / seconds
   result = {
       "case": name, "tokens_per_s": tokens_per_s, "step_seconds": seconds, "step_seconds_all": times,
-      "losses": losses, "mfu": tokens_per_s * cfg.flops_per_token(seq) / PEAK,
-      "hfu": tokens_per_s * hardware_flops_per_token(cfg, seq, recomputed_fraction) / PEAK,
+      "losses": losses, "mfu": tokens_per_s * cfg.flops_per_token(seq) / peak_flops(),
+      "hfu": tokens_per_s * hardware_flops_per_token(cfg, seq, recomputed_fraction) / peak_flops(),
       "peak_device_bytes": device_peak_bytes(), "peak_host_rss_bytes": resource.getrusage(
           resource.RUSAGE_SELF).ru_maxrss * 1024, **extra}
   print(f"{name:28s} {tokens_per_s:10.0f} tok/s  MFU {result['mfu']:.3f}  HFU {result['hfu']:.3f}  "
@@ -132,34 +109,34 @@ def all_on_device_step(model, optimizer):
 def per_micro_batch_step(engine: Engine, micro_batches: int):
   """ZeRO-3-offload order: every micro-batch streams every group's weights in and out again; group gradients
   accumulate on the device across micro-batches (kinder to the baseline than ZeRO's host accumulation); then one
-  update per group. Reuses the engine's jitted pieces so only the order differs."""
-  place = engine.place
+  update per group. Runs the engine's own jitted calls, so only the order differs."""
+  place, calls = engine.place, engine.calls
 
   def step(state, batch):
     outer, groups = state["outer"], state["groups"]
-    grads = [engine._zeros(engine._fetch_weights(g)) for g in groups]
-    outer_grads = engine._zeros(outer)
+    grads = [calls.zeros(calls.fetch_weights(g)) for g in groups]
+    outer_grads = calls.zeros(outer)
     inv_total = np.float32(1.0 / np.sum(batch["weights"]))
     losses = []
     for part in range(micro_batches):
       rows = slice(part * len(batch["inputs"]) // micro_batches, (part + 1) * len(batch["inputs"]) // micro_batches)
       tokens, targets, weights = (place.to_device(batch[k][rows]) for k in ("inputs", "targets", "weights"))
       order = list(range(len(groups))) + list(range(len(groups) - 2, -1, -1))
-      stream = engine._prefetch([groups[g] for g in order], engine._fetch_weights)
-      xs = [engine._embed(outer, tokens)]
+      stream = prefetch([groups[g] for g in order], calls.fetch_weights)
+      xs = [calls.embed(outer, tokens)]
       for _ in range(len(groups) - 1):
-        xs.append(engine._forward(next(stream), xs[-1]))
-      loss, dx, grads[-1], outer_grads = engine._last_group(
+        xs.append(calls.forward(next(stream), xs[-1]))
+      loss, dx, grads[-1], outer_grads = calls.last_group(
           next(stream), outer, xs[-1], targets, weights, inv_total, grads[-1], outer_grads)
       losses.append(loss)
       for g in range(len(groups) - 2, -1, -1):
-        dx, grads[g] = engine._backward(next(stream), xs[g], dx, grads[g])
-      outer_grads = engine._embed_backward(outer, tokens, dx, outer_grads)
+        dx, grads[g] = calls.backward(next(stream), xs[g], dx, grads[g])
+      outer_grads = calls.embed_backward(outer, tokens, dx, outer_grads)
     zero, ok = jnp.zeros((), jnp.float32), jnp.ones((), bool)
-    new_groups = [engine._apply(g, place.to_device((group["master"], group["opt"])), place.reduce(grads[g]), zero, ok)
+    new_groups = [calls.apply(g, place.to_device((group["master"], group["opt"])), place.reduce(grads[g]), zero, ok)
                   for g, group in enumerate(groups)]
     outer_grads, loss = place.reduce((outer_grads, sum(losses)), sharded=False)  # per-device slots -> sums
-    new_outer, new_opt = engine._update(outer, state["outer_opt"], outer_grads, zero, ok)
+    new_outer, new_opt = calls.update(outer, state["outer_opt"], outer_grads, zero, ok)
     return {"step": state["step"] + 1, "outer": new_outer, "outer_opt": new_opt, "groups": new_groups}, loss
   return step
 
@@ -202,7 +179,7 @@ def fits_cases(model, optimizer, rows, seq, steps, key):
     keep(record("fits/device", model.cfg, rows, seq, seconds, times, losses, 1.0, {}))
     del state, params
 
-  budget = planner.default_budget()
+  budget = default_budget()
   plan = planner.make_plan(model, seq, rows, budget)
   print(plan.describe(), flush=True)
   if "engine" in wanted:
@@ -235,17 +212,27 @@ def fits_cases(model, optimizer, rows, seq, steps, key):
     print("fits/in_jit_scan failed:", RESULTS[-1]["error"][:300], flush=True)
 
 
+# --smoke: the same families and code paths at CPU sizes (the plan keeps their state on the device; --cases=fits
+# also runs the streamed engine and both baselines).
+SMOKE = dict(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=256)
+SMOKE_ROWS, SMOKE_SEQ = 4, 32
+
+
+def model_of(preset: str, overrides: list[str]):
+  """The preset with `overrides` (and SMOKE's under --smoke), per-layer remat off: the engine's backward already
+  recomputes each group."""
+  return build(get_config(preset, {**parse_overrides(overrides), **(SMOKE if FLAGS.smoke else {}), "remat": False}))
+
+
 def main(argv):
   del argv
   key = jax.random.key(0)
   optimizer = optax.adamw(1e-4, weight_decay=0.1)
-  seq = 64 if FLAGS.smoke else FLAGS.seq_len
+  seq = SMOKE_SEQ if FLAGS.smoke else FLAGS.seq_len
   if "big" in FLAGS.cases:
-    overrides = dict(num_layers=4, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=4,
-                     remat=False) if FLAGS.smoke else dict(remat=False)
-    model = build(get_config("llama13b", overrides))
-    rows = 4 if FLAGS.smoke else FLAGS.big_batch
-    budget = dataclasses.replace(planner.default_budget(), host_bytes=int(FLAGS.host_memory_gib * planner.GIB))
+    model = model_of("llama13b", [])
+    rows = SMOKE_ROWS if FLAGS.smoke else FLAGS.big_batch
+    budget = dataclasses.replace(default_budget(), host_bytes=int(FLAGS.host_memory_gib * GIB))
     plan = planner.make_plan(model, seq, rows, budget)
     print(plan.describe(), flush=True)
     result = run_engine("big/llama13b", model, optimizer, plan.engine, batch_of(rows, seq, model.cfg.vocab_size),
@@ -254,12 +241,8 @@ def main(argv):
                   predicted_transfer_s=plan.transfer_seconds)
     keep(result)
   if "fits" in FLAGS.cases:
-    overrides = dict(num_layers=4, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=4) \
-        if FLAGS.smoke else dict(kv.split("=") for kv in FLAGS.fits_set)
-    model = build(get_config(FLAGS.fits_model, {**overrides, "remat": False} if FLAGS.smoke else
-                             [f"{k}={v}" for k, v in overrides.items()] + ["remat=false"]))
-    fits_cases(model, optimizer, 4 if FLAGS.smoke else FLAGS.fits_batch, seq, FLAGS.steps, key)
-
+    model = model_of(FLAGS.fits_model, [] if FLAGS.smoke else FLAGS.fits_set)
+    fits_cases(model, optimizer, SMOKE_ROWS if FLAGS.smoke else FLAGS.fits_batch, seq, FLAGS.steps, key)
 
 
 RESULTS = []
@@ -269,7 +252,7 @@ def keep(result):
   """Records a case and rewrites the JSON, so a crash or time-out later keeps what ran."""
   RESULTS.append(result)
   results = RESULTS
-  seq = 64 if FLAGS.smoke else FLAGS.seq_len
+  seq = SMOKE_SEQ if FLAGS.smoke else FLAGS.seq_len
   by_case = {r["case"]: r for r in results}
   ratios = {}
   if "fits/engine" in by_case and "fits/device" in by_case:
@@ -278,15 +261,8 @@ def keep(result):
     if baseline in by_case and "tokens_per_s" in by_case[baseline] and "fits/streamed" in by_case:
       ratios[f"streamed_engine_over_{baseline.split('/')[1]}"] = (
           by_case["fits/streamed"]["tokens_per_s"] / by_case[baseline]["tokens_per_s"])
-  out = {
-      "command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
-      "peak_flops": PEAK, "seq_len": seq, "results": results, "ratios": ratios,
-      "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")}}
-  if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      json.dump(out, f, indent=1)
+  write_results(FLAGS.out, {**provenance(), "peak_flops": peak_flops(), "seq_len": seq, "results": results,
+                            "ratios": ratios})
   return result
 
 

@@ -34,6 +34,7 @@ devices. PCIe traffic per device is the single-device schedule's, for its shards
 import collections
 import dataclasses
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -353,3 +354,30 @@ class Engine:
   def _apply(self, g: int, incoming, grads, norm, ok) -> dict:
     master, opt_state = incoming
     return self._make_group(g, *self._update(master, opt_state, grads, norm, ok))
+
+  # ---- the pieces, for other orders of the same calls -----------------------------------------------------------
+
+  @property
+  def calls(self) -> "Calls":
+    """The step's jitted calls and transfers, for schedules that order them differently (the benchmarks' baselines)
+    and for sizing them (compiled memory analysis)."""
+    return Calls(embed=self._embed, forward=self._forward, last_group=self._last_group, backward=self._backward,
+                 embed_backward=self._embed_backward, zeros=self._zeros, cast=self._cast_fn,
+                 fetch_weights=self._fetch_weights, update=self._update, apply=self._apply)
+
+
+class Calls(NamedTuple):
+  """What `Engine.step` is made of; shapes as in the module docstring (x, dy: one sub-batch's hidden states)."""
+
+  embed: Callable  # (outer, tokens) -> x
+  forward: Callable  # (weights, x) -> the group's output
+  last_group: Callable  # (weights, outer, x, targets, loss_weights, inv_total, grads, outer_grads)
+  #                        -> (loss, dx, grads, outer_grads); donates x and both accumulators
+  backward: Callable  # (weights, x, dy, grads) -> (dx, grads): recomputes the group's forward; donates x, grads
+  embed_backward: Callable  # (outer, tokens, dx, outer_grads) -> outer_grads; donates outer_grads
+  zeros: Callable  # tree -> fp32 gradient accumulators, one slot per device (reduce with Placement.reduce)
+  cast: Callable  # tree -> the same in the compute dtype (not jitted: for jax.eval_shape)
+  fetch_weights: Callable  # group state -> its weights in the compute dtype, whole on every device
+  update: Callable  # (master, opt_state, grads, norm, ok) -> (master, opt_state); donates master and opt_state
+  apply: Callable  # (g, (master, opt_state) on the device, reduced grads, norm, ok) -> group g's new state
+

@@ -1,0 +1,91 @@
+"""What the benchmarks share: random token batches, the timed loop, and the results file that says how, when and on
+what a result was made."""
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+from sljax.machines import PINNED_POOL_ENV, reserve_gpu_memory, xla_memory_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
+# --smoke of the generation benchmark and its baseline: the same families at CPU sizes.
+GENERATION_SMOKE = {
+    "llama": dict(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=512),
+    "opt": dict(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=512,
+                max_positions=128),
+}
+
+
+def set_xla_memory(pinned_pool_gib: int):
+  """Before the backend starts: XLA preallocates nearly all of each GPU (sljax.machines) and caps each GPU's pinned
+  pool at `pinned_pool_gib`, which the benchmark's host budget stays below; values the user set win."""
+  reserve_gpu_memory()
+  os.environ.setdefault(PINNED_POOL_ENV, str(pinned_pool_gib))
+
+
+def batch_of(rows: int, seq: int, vocab: int, seed: int | np.random.Generator = 0) -> dict:
+  """A training batch of uniform random tokens ({"inputs", "targets", "weights"}: [rows, seq]); `seed` may be a
+  generator, which successive batches then share."""
+  tokens = np.random.default_rng(seed).integers(0, vocab, (rows, seq + 1)).astype(np.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((rows, seq), np.float32)}
+
+
+def timed(step, state, batch, steps: int):
+  """(median seconds per step, each step's seconds, losses, state) of `steps` steps after one warm-up step; waits
+  for the device only at the end of each step."""
+  state, loss = step(state, batch)
+  jax.block_until_ready(loss)
+  times, losses = [], []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, loss = step(state, batch)
+    losses.append(float(loss))  # waits for the step
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), times, losses, state
+
+
+def command() -> str:
+  """This run's command line as typed from the repository root (`python -m benchmarks.<name> ...`)."""
+  spec = getattr(sys.modules["__main__"], "__spec__", None)
+  head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+  return " ".join(shlex.quote(a) for a in head + sys.argv[1:])
+
+
+def versions(*extra: str) -> dict:
+  """Python's version and the installed versions of the JAX stack (and of `extra` distributions); None if absent."""
+  found = {"python": platform.python_version()}
+  for name in PACKAGES + extra:
+    try:
+      found[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      found[name] = None
+  return found
+
+
+def provenance(device: str | None = "", *extra_packages: str) -> dict:
+  """The fields every results file starts with: command, UTC date, device, versions, XLA's memory settings.
+  device "": this process's first JAX device (starts the backend); None: not known here."""
+  return {"command": command(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "device": jax.devices()[0].device_kind if device == "" else device, "versions": versions(*extra_packages),
+          "env": xla_memory_env()}
+
+
+def write_results(path: str, results: dict):
+  """Writes `results` as JSON to `path` (nothing when path is ""), whole or not at all: a run killed mid-write keeps
+  the previous file."""
+  if not path:
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(results, f, indent=1, default=str)
+  os.replace(path + ".tmp", path)
