@@ -1,7 +1,7 @@
 """A checkpoint of host-resident training state at scale: save, restore, and the steps after it, in bounded memory.
 
-  python benchmarks/checkpoint_scale.py --out=benchmarks/results/checkpoint_scale_h200.json   # one H200
-  python benchmarks/checkpoint_scale.py --smoke --out=/tmp/checkpoint_smoke.json             # tiny, any machine
+  python -m benchmarks.checkpoint_scale --out=benchmarks/results/checkpoint_scale_h200.json   # one H200
+  python -m benchmarks.checkpoint_scale --smoke --out=/tmp/checkpoint_smoke.json             # tiny, any machine
 
 A llama13b-shaped model with as many layers as the workdir's disk holds one checkpoint of (at most --max_layers);
 the master weights and optimizer state of a third of its groups on the device (as the plan keeps most of llama13b's
@@ -12,13 +12,23 @@ losses must equal the uninterrupted ones. Host memory (RSS, sampled every 5 ms) 
 save / restore is the staging; it must stay within the checkpointer's budget.
 """
 
+import gc
+import json
 import os
-import sys
+import shutil
+import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from absl import app, flags  # noqa: E402
+import jax
+import numpy as np
+from absl import app, flags
 
-from models.presets import get_config  # noqa: E402
+import sljax
+from benchmarks.common import batch_of, provenance, write_results
+from models.presets import build, get_config
+from sljax.checkpoint import Checkpointer
+from sljax.machines import GIB, PINNED_POOL_ENV, reserve_gpu_memory
+from sljax.memory import PeakResident, resident_bytes, tree_bytes
+from sljax.optim import OptimConfig, make_optimizer
 
 flags.DEFINE_string("out", "", "Write the results JSON here.")
 flags.DEFINE_bool("smoke", False, "Tiny model on CPU: checks the code path in seconds.")
@@ -30,7 +40,6 @@ flags.DEFINE_float("staging_gib", 4.0, "The checkpointer's staging budget.")
 flags.DEFINE_float("pool_margin_gib", 4.0, "XLA's pinned pool is capped this far above what the step keeps there.")
 FLAGS = flags.FLAGS
 
-GIB = 2**30
 # Host bytes per layer parameter with every group's state in pinned memory: fp32 master 4, Adam's bf16 first moment
 # 2 and fp32 second 4, the bf16 weight copy 2, and clipping's parked fp32 gradient 4 (the README's llama13b command).
 HOST_BYTES_PER_PARAM = 16
@@ -50,7 +59,6 @@ def model_config():
 
 
 def _free_disk(path: str) -> int:
-  import shutil
   while not os.path.exists(path):
     path = os.path.dirname(path)
   return shutil.disk_usage(path).free
@@ -71,32 +79,16 @@ def pool_limit_gib(cfg, rows, seq_len) -> int:
 def main(argv):
   cfg, rows, seq_len = model_config()
   if not FLAGS.smoke:  # read when the GPU backend starts, below
-    os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(pool_limit_gib(cfg, rows, seq_len))
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.97")
-  import datetime
-  import gc
-  import json
-  import shutil
-  import time
-
-  import jax
-  import numpy as np
-  import orbax.checkpoint as ocp
-
-  import sljax
-  from models.presets import build
-  from sljax.checkpoint import Checkpointer
-  from sljax.memory import PeakResident, resident_bytes, tree_bytes
-  from sljax.optim import OptimConfig, make_optimizer
+    os.environ[PINNED_POOL_ENV] = str(pool_limit_gib(cfg, rows, seq_len))
+    reserve_gpu_memory()
 
   model = build(cfg)
   optim_cfg = OptimConfig(learning_rate=3e-4, warmup_steps=1, moments_dtype="bfloat16", grad_clip_norm=1.0)
   engine = sljax.Engine(model, make_optimizer(optim_cfg, clip=False),
                         sljax.EngineConfig(sub_batches=4, live_layers=1, grad_clip_norm=1.0,
                                            device_state_groups=device_state_groups(cfg)))
-  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (6, rows, seq_len + 1)).astype(np.int32)
-  batches = [{"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.ones((rows, seq_len), np.float32)}
-             for t in tokens]
+  rng = np.random.default_rng(0)
+  batches = [batch_of(rows, seq_len, cfg.vocab_size, rng) for _ in range(6)]
 
   def steps(state, first, count):
     losses = []
@@ -140,16 +132,13 @@ def main(argv):
   checkpointer.close()
   shutil.rmtree(FLAGS.workdir, ignore_errors=True)
 
-  device = jax.devices()[0]
   result = {
-      "command": " ".join(["python"] + sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "device": device.device_kind, "jax": jax.__version__, "orbax": ocp.__version__ if hasattr(ocp, "__version__")
-      else "", "model": f"llama13b shapes, {cfg.num_layers} layers" if not FLAGS.smoke else "llama-tiny",
+      **provenance(), "model": f"llama13b shapes, {cfg.num_layers} layers" if not FLAGS.smoke else "llama-tiny",
       "batch": f"{rows} x {seq_len}, 4 sub-batches, clipping 1.0, bf16 first moment",
       "placement": f"{device_state_groups(cfg)} of {cfg.num_layers} groups' state on the device, the rest on the host",
       "state_gib": tree_bytes(abstract) / GIB, "host_resident_state_gib": host_resident / GIB,
       "device_resident_state_gib": device_resident / GIB,
-      "pinned_pool_limit_gib": float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 0)),
+      "pinned_pool_limit_gib": float(os.environ.get(PINNED_POOL_ENV, 0)),
       "staging_budget_gib": staging / GIB, "checkpoint_on_disk_gib": on_disk / GIB,
       "peak_host_extra_gib": {"save": saving.extra / GIB, "restore": restoring.extra / GIB},
       "rss_gib": {"before_save": saving.start / GIB, "after_save": after_save / GIB,
@@ -165,9 +154,7 @@ def main(argv):
   }
   result["within_budget"] = max(saving.extra, restoring.extra) <= staging
   print(json.dumps(result, indent=1))
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
-      json.dump(result, f, indent=1)
+  write_results(FLAGS.out, result)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,36 @@
 """How much of one step's PCIe traffic hides behind compute, from a jax.profiler perfetto trace.
 
-  python benchmarks/trace_overlap.py TRACE.json.gz --out=benchmarks/results/overlap.json --png=overlap.png
+  python -m benchmarks.trace_overlap TRACE.json.gz --out=benchmarks/results/overlap.json --png=overlap.png
+  python -m benchmarks.trace_overlap --smoke --out=/tmp/overlap_smoke.json   # a made-up trace of a few events
 
-The trace comes from `benchmarks/train_throughput.py --trace_dir=...` (one traced step). Prints the step's span,
-the time the GPU computes, copies host->device and device->host, and how much copy time runs while it computes; the
-PNG (needs matplotlib) draws the three lanes on one time axis.
+The trace comes from `python -m benchmarks.train_throughput --trace_dir=...` (one traced step). Prints the step's
+span, the time the GPU computes, copies host->device and device->host, and how much copy time runs while it
+computes; the PNG (needs matplotlib) draws the three lanes on one time axis.
 """
 
 import gzip
 import json
-import sys
 
 from absl import app, flags
 
+from benchmarks.common import provenance, write_results
+
 flags.DEFINE_string("out", "", "Write the summary JSON here.")
 flags.DEFINE_string("png", "", "Draw the timeline here (needs matplotlib).")
+flags.DEFINE_bool("smoke", False, "Summarize SMOKE_TRACE instead of a trace file: checks the code path anywhere.")
 FLAGS = flags.FLAGS
+
+# A GPU computing 0-100 us and 150-200 us, copying in 50-120 us and out 180-190 us (a CPU event is left out):
+# 60 us of its 80 us of copies run while it computes.
+SMOKE_TRACE = {"traceEvents": [
+    {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+    {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+    {"ph": "X", "pid": 1, "name": "fusion", "ts": 0, "dur": 100},
+    {"ph": "X", "pid": 1, "name": "gemm", "ts": 150, "dur": 50},
+    {"ph": "X", "pid": 1, "name": "MemcpyH2D", "ts": 50, "dur": 70},
+    {"ph": "X", "pid": 1, "name": "MemcpyD2H", "ts": 180, "dur": 10},
+    {"ph": "X", "pid": 2, "name": "MemcpyH2D", "ts": 0, "dur": 500},
+]}
 
 
 def lanes(trace: dict) -> dict[str, list[tuple[float, float]]]:
@@ -85,13 +100,18 @@ def draw(merged, start, path):
 
 
 def main(argv):
-  with gzip.open(argv[1]) as f:
-    summary, merged, start = summarize(json.load(f))
-  summary["trace"] = argv[1]
+  if FLAGS.smoke:
+    trace, path = SMOKE_TRACE, None
+  elif len(argv) == 2:
+    path = argv[1]
+    with gzip.open(path) as f:
+      trace = json.load(f)
+  else:
+    raise app.UsageError("give one trace file (TRACE.json.gz), or --smoke")
+  summary, merged, start = summarize(trace)
+  summary["trace"] = path
   print(json.dumps(summary, indent=1))
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
-      json.dump(summary | {"command": " ".join(sys.argv)}, f, indent=1)
+  write_results(FLAGS.out, {**provenance(device=None), **summary})
   if FLAGS.png:
     draw(merged, start, FLAGS.png)
 

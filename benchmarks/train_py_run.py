@@ -1,8 +1,8 @@
 """A train.py command run as a user types it, with what it printed, its losses and its throughput in one JSON.
 
-  python benchmarks/train_py_run.py --out=benchmarks/results/train_py_llama13b_default_h200.json \
+  python -m benchmarks.train_py_run --out=benchmarks/results/train_py_llama13b_default_h200.json \
       -- --model=llama13b --steps=40 --checkpoint_every=0          # one H200
-  python benchmarks/train_py_run.py --smoke --out=/tmp/train_py_smoke.json                  # tiny, any machine
+  python -m benchmarks.train_py_run --smoke --out=/tmp/train_py_smoke.json                  # tiny, any machine
 
 The command's output goes to the JSON's `log` file beside it (`--log`). Throughput is the trainer's own: each log
 window's tokens/s and MFU as its progress bar printed them; "steady" is over every window after the first (whose step
@@ -11,8 +11,6 @@ compute-bound, steady MFU >= 45%, no step's loss above 1.05 x the first step's, 
 below the first ten's.
 """
 
-import datetime
-import importlib.metadata
 import json
 import os
 import re
@@ -23,7 +21,7 @@ import time
 
 from absl import app, flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import REPO, provenance, write_results
 SMOKE_ARGS = ["--model=llama-tiny", "--set=num_layers=2", "--set=hidden_size=32", "--set=intermediate_size=64",
               "--set=num_heads=2", "--set=num_kv_heads=1", "--seq_len=32", "--batch_size=4", "--max_tokens=200000",
               "--steps=12", "--log_every=4", "--checkpoint_every=0", "--engine=offload", "--sub_batches=2"]
@@ -79,16 +77,9 @@ def summarize(command: list[str], log: str, losses: list[float | None], seconds:
           sum(losses[-ten:]) / ten < sum(losses[:ten]) / ten),
   }
   device = re.search(r"compute on (.+?); workdir", log)
-  versions = {}
-  for package in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint"):
-    try:
-      versions[package] = importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-      versions[package] = None
   return {
-      "command": " ".join(["python", "train.py", *command]),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "device": device[1] if device else None, "versions": versions, "returncode": returncode,
+      **provenance(device[1] if device else None), "command": " ".join(["python", "train.py", *command]),
+      "returncode": returncode,
       "wall_seconds": round(seconds, 1),
       "notes": [line for line in lines if line.startswith("note:")],
       "recipe": next((line for line in lines if line.startswith("recipe of ")), None),
@@ -117,8 +108,7 @@ def main(argv):
   log = open(log_path).read()
   result = summarize(command, log, [row["loss"] for row in sorted(rows, key=lambda row: row["step"])], seconds,
                      done.returncode)
-  with open(FLAGS.out, "w") as f:
-    json.dump(result, f, indent=1)
+  write_results(FLAGS.out, result)
   print(json.dumps({k: result[k] for k in ("tokens_per_s_steady", "mfu_steady", "goals", "returncode")}, indent=1))
   print("losses:", " ".join("nan" if x is None else f"{x:.3f}" for x in result["losses"]))
   if done.returncode:

@@ -1,13 +1,14 @@
 """sljax against DeepSpeed ZeRO-3 offload (issue 7): both systems back to back on the same GPU, one JSON with the ratio.
 
-  python3 benchmarks/vs_deepspeed.py --install --models=llama13b --out=benchmarks/results/vs_deepspeed_llama13b_h200.json
-  python3 benchmarks/vs_deepspeed.py --smoke --out=/tmp/vs.json          # tiny model on a CPU: checks the code paths
+  python3 -m benchmarks.vs_deepspeed --install --models=llama13b \
+      --out=benchmarks/results/vs_deepspeed_llama13b_h200.json
+  python3 -m benchmarks.vs_deepspeed --smoke --out=/tmp/vs.json          # tiny model on a CPU: checks the code paths
 
 For each model the two systems run one after the other, each in its own process (each owns the whole GPU while it
 runs), on the same sequence length and effective batch, with the same MFU formula (models.ModelConfig.flops_per_token:
 6 x matmul params + causal attention, recompute not counted, 989 TFLOP/s dense bf16 peak):
-  sljax      benchmarks/train_throughput.py: the engine under the plan for the budgets (llama13b: the "big" case)
-  DeepSpeed  benchmarks/baselines/deepspeed_zero3.py: HF LlamaForCausalLM, bf16, activation checkpointing, ZeRO-3 with
+  sljax      benchmarks.train_throughput: the engine under the plan for the budgets (llama13b: the "big" case)
+  DeepSpeed  benchmarks.baselines.deepspeed_zero3: HF LlamaForCausalLM, bf16, activation checkpointing, ZeRO-3 with
              offload_param + offload_optimizer to pinned CPU memory (partial optimizer offload where the host cannot
              hold all of it: --ds_host_mem_gib)
 Models: llama13b (batch 32 x 2048, the engine benchmark's workload) and fits (llama7b shapes with 8 layers, batch
@@ -15,7 +16,6 @@ Models: llama13b (batch 32 x 2048, the engine benchmark's workload) and fits (ll
 """
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -25,8 +25,7 @@ import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+from benchmarks.common import REPO, provenance, write_results
 
 WORKLOADS = {
     # name: (sljax train_throughput.py flags, deepspeed_zero3.py flags)
@@ -70,7 +69,7 @@ def sljax_summary(data, case):
   keys = ("tokens_per_s", "step_seconds", "step_seconds_all", "losses", "mfu", "hfu", "plan", "bytes_moved_per_step",
           "peak_device_bytes", "peak_host_rss_bytes", "engine")
   return {"status": "ok", **{k: result[k] for k in keys if k in result}, "command": data.get("command"),
-          "device": data.get("device"), "jax": data.get("jax")}
+          "device": data.get("device"), "versions": data.get("versions")}
 
 
 def deepspeed_summary(data, args):
@@ -102,18 +101,15 @@ def main():
 
   out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else "/tmp"
   os.makedirs(out_dir, exist_ok=True)
+  # The device is the children's: this process never starts a backend, which would hold the GPU they need.
   report = {"benchmark": "sljax vs DeepSpeed ZeRO-3 offload, back to back on one GPU (issue 7)",
-            "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": platform.node(), "python": platform.python_version(), "runs": {}}
+            **provenance(device=None), "host": platform.node(), "runs": {}}
 
   def write():
-    if args.out:
-      with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_results(args.out, report)
 
   if args.install:
-    status = subprocess.call(["bash", os.path.join(HERE, "baselines", "install_deepspeed.sh")], cwd=REPO,
+    status = subprocess.call(["bash", "benchmarks/baselines/install_deepspeed.sh"], cwd=REPO,
                              env={**os.environ, "PYTHON": args.python})
     report["install_status"] = status
     write()
@@ -128,14 +124,15 @@ def main():
       if os.path.exists(path):
         os.remove(path)
     seq = ["--seq_len=64"] if args.smoke else [f"--seq_len={args.seq}"]
-    s_argv = [args.python, "benchmarks/train_throughput.py", *ours, *seq, f"--steps={args.sljax_steps}",
+    s_argv = [args.python, "-m", "benchmarks.train_throughput", *ours, *seq, f"--steps={args.sljax_steps}",
               f"--host_memory_gib={args.sljax_host_memory_gib}", f"--out={s_json}"] + (["--smoke"] if args.smoke else [])
-    d_argv = [args.python, "benchmarks/baselines/deepspeed_zero3.py", *([] if args.smoke else theirs), f"--seq={args.seq}",
-              "--warmup=1", f"--steps={args.ds_steps}", "--offload_ratio=auto",
+    d_argv = [args.python, "-m", "benchmarks.baselines.deepspeed_zero3", *([] if args.smoke else theirs),
+              f"--seq={args.seq}", "--warmup=1", f"--steps={args.ds_steps}", "--offload_ratio=auto",
               f"--host_mem_gib={args.ds_host_mem_gib}", f"--out={d_json}"] + (["--smoke"] if args.smoke else [])
     entry = report["runs"][name] = {}
     status, seconds = run(f"sljax {name}", s_argv, args.timeout_s, os.path.join(out_dir, f"sljax_{name}.log"))
     entry["sljax"] = {**sljax_summary(read_json(s_json), case), "exit_status": status, "wall_s": round(seconds, 1)}
+    report["device"] = report["device"] or entry["sljax"].get("device")
     write()
     status, seconds = run(f"deepspeed {name}", d_argv, args.timeout_s, os.path.join(out_dir, f"deepspeed_{name}.log"))
     entry["deepspeed"] = {**deepspeed_summary(read_json(d_json), args), "exit_status": status,

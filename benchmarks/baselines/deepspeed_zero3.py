@@ -4,14 +4,15 @@ offloaded to pinned CPU memory, on one GPU, measured with sljax's own MFU formul
 Not part of sljax: DeepSpeed comes from .dsdeps/ through benchmarks/baselines/install_deepspeed.sh and never enters
 requirements.txt. One process, no launcher: the script sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT itself.
 
-  python3 benchmarks/baselines/deepspeed_zero3.py --model llama13b --seq 2048 --batch 32 --micro_batch 16 \\
+  python3 -m benchmarks.baselines.deepspeed_zero3 --model llama13b --seq 2048 --batch 32 --micro_batch 16 \\
       --offload_ratio auto --host_mem_gib 256 --warmup 1 --steps 2 --out $OUT/ds_llama13b.json
-  python3 benchmarks/baselines/deepspeed_zero3.py --smoke --out /tmp/smoke.json          # tiny model, CPU is fine
-  python3 benchmarks/baselines/deepspeed_zero3.py --backend fsdp_cpu_offload ...          # PyTorch FSDP2 fallback
+  python3 -m benchmarks.baselines.deepspeed_zero3 --smoke --out /tmp/smoke.json          # tiny model, CPU is fine
+  python3 -m benchmarks.baselines.deepspeed_zero3 --backend fsdp_cpu_offload ...          # PyTorch FSDP2 fallback
 
-Figures: tokens/s = batch * seq / mean timed step; MFU = tokens/s * get_config(model).flops_per_token(seq) / 989e12
-(6 x matmul params + causal attention, no recompute counted, dense bf16 peak of one H200): the formula sljax's own
-benchmarks use. Weights are random and their values do not matter for throughput (see the JSON's "weights").
+Figures: tokens/s = batch * seq / mean timed step; MFU = tokens/s * get_config(model).flops_per_token(seq) / peak
+(6 x matmul params + causal attention, no recompute counted; the GPU's dense bf16 peak from sljax.machines, the
+H200's on a CPU): the formula sljax's own benchmarks use. Weights are random and their values do not matter for
+throughput (see the JSON's "weights").
 
 Host memory: DeepSpeed 0.19.8's ZeRO-3 full CPU offload keeps ~22 bytes per parameter in host RAM (bf16 params 2, a
 flat fp32 gradient buffer 4, and per optimizer sub-group fp32 master 4 + Adam m, v 8 + fp32 .grad 4): llama13b needs
@@ -24,22 +25,17 @@ JSON). A run that cannot fit is recorded as failed before it starts. The JSON is
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import importlib
 import json
 import os
 import platform
 import resource
-import shlex
 import signal
 import sys
 import threading
 import time
 import traceback
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
 # models.presets imports JAX (for dtype checks only): keep it off the GPU, which torch owns here.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -50,7 +46,7 @@ os.environ.setdefault("RANK", "0")
 os.environ.setdefault("LOCAL_RANK", "0")
 os.environ.setdefault("WORLD_SIZE", "1")
 os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-# KINDS.md: NVLink multicast stays off on these machines.
+# NVLink multicast stays off: the GPU machines this baseline ran on do not allow it.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -65,10 +61,10 @@ import torch  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
+from benchmarks import common  # noqa: E402
 from models.presets import get_config  # noqa: E402
-
-H200_BF16_PEAK = 989e12
-GIB = 1024**3
+from sljax.machines import GIB, meminfo, rates_of  # noqa: E402
+from sljax.memory import resident_bytes  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------- report
@@ -81,8 +77,7 @@ class Report:
         "benchmark": "peer baseline: HF transformers under DeepSpeed ZeRO-3 CPU offload (issue 7)",
         "status": "running",
         "phase": "start",
-        "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **common.provenance(None),
         "host": platform.node(),
         "phases_s": {},
         "notes": [],
@@ -103,35 +98,15 @@ class Report:
     self.data["notes"].append(text)
 
   def write(self):
-    if not self.path:
-      return
-    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(self.data, f, indent=2, default=str)
-      f.write("\n")
-    os.replace(tmp, self.path)
+    common.write_results(self.path, self.data)
 
 
 def rss_gib():
-  try:
-    with open("/proc/self/statm") as f:
-      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
-  except OSError:
-    return float("nan")
+  return resident_bytes() / GIB
 
 
 def meminfo_gib():
-  out = {}
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        key, val = line.split(":", 1)
-        if key in ("MemTotal", "MemAvailable"):
-          out[key] = int(val.split()[0]) * 1024 / GIB
-  except OSError:
-    pass
-  return out
+  return {key: value / GIB for key, value in meminfo().items() if key in ("MemTotal", "MemAvailable")}
 
 
 class HostMemorySampler:
@@ -333,12 +308,7 @@ def preflight_memory(rep, args, host_gb, gpu_gb=None):
 
 # ----------------------------------------------------------------------------------------------------------- runs
 def versions():
-  out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-  for name in ("transformers", "deepspeed", "pydantic", "accelerate"):
-    try:
-      out[name] = __import__(name).__version__
-    except Exception as e:  # noqa: BLE001
-      out[name] = f"unavailable: {type(e).__name__}: {e}"
+  out = {**common.versions("torch", "transformers", "deepspeed", "pydantic", "accelerate"), "cuda": torch.version.cuda}
   try:
     out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
   except Exception:  # noqa: BLE001
@@ -588,14 +558,15 @@ def parse_args(argv=None):
                        "labelled, if its JIT build fails), else torch's fused AdamW on the device")
   ap.add_argument("--fsdp_master_dtype", default="float32", choices=["float32", "bfloat16"])
   ap.add_argument("--host_mem_gib", type=float, default=0,
-                  help="the machine's host RAM (KINDS.md: 128 on nvidia-h200, 256 on -x2); a run whose host state "
-                       "cannot fit is recorded as failed up front. 0: no check (MemTotal is unreliable there)")
+                  help="the machine's host RAM (128 GiB on one H200 machine, 256 on the two-GPU one); a run whose "
+                       "host state cannot fit is recorded as failed up front. 0: no check (MemTotal is unreliable there)")
   ap.add_argument("--device", default="auto", help="auto, cuda or cpu")
   ap.add_argument("--smoke", action="store_true", help="tiny model, short sequence, 2 steps: runs on a CPU")
   ap.add_argument("--out", default="", help="result JSON path")
   args = ap.parse_args(argv)
   if args.smoke:
     args.model, args.seq, args.batch = "llama-tiny", 64, 4
+    args.override = args.override or ["num_layers=2", "hidden_size=64", "intermediate_size=128"]
     args.micro_batch = args.micro_batch or 2
     args.warmup, args.steps = 1, 2
   args.micro_batch = args.micro_batch or args.batch
@@ -626,6 +597,7 @@ def main(argv=None):
         torch.cuda.set_device(dev)
         torch.cuda.reset_peak_memory_stats(dev)
       flops_per_token = cfg.flops_per_token(args.seq)
+      peak = rates_of(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu").peak_flops
       rep.data.update(
           backend=args.backend,
           label=("DeepSpeed ZeRO-3, offload_param + offload_optimizer to pinned CPU" if args.backend == "deepspeed"
@@ -633,20 +605,20 @@ def main(argv=None):
           versions=versions(), device=device_info(dev),
           config={**vars(args), "grad_accum": ga, "tokens_per_step": args.batch * args.seq},
           model={"preset": args.model, **dataclasses.asdict(cfg), "sljax_param_count": cfg.param_count()},
-          flops_per_token=flops_per_token, peak_flops=H200_BF16_PEAK,
-          mfu_formula="tokens/s * models.presets.get_config(model).flops_per_token(seq) / 989e12 "
+          flops_per_token=flops_per_token, peak_flops=peak,
+          mfu_formula=f"tokens/s * models.presets.get_config(model).flops_per_token(seq) / {peak:g} "
                       "(6 x matmul params + causal attention; recompute not counted)")
       run = run_deepspeed if args.backend == "deepspeed" else run_fsdp
       step_times = run(rep, args, cfg, dev, ga)
       mean = sum(step_times) / len(step_times)
       tps = args.batch * args.seq / mean
-      # As benchmarks/train_throughput.py: recompute adds one forward of each layer (a third of its training FLOPs).
+      # As benchmarks.train_throughput: recompute adds one forward of each layer (a third of its training FLOPs).
       layer_part = flops_per_token - 6 * cfg.vocab_size * cfg.embed_dim
       hw_flops = flops_per_token + (layer_part / 3 if args.grad_ckpt else 0)
       rep.data.update(
           status="ok", step_s_mean=round(mean, 4), tokens_per_s=round(tps, 1),
-          mfu=round(tps * flops_per_token / H200_BF16_PEAK, 5),
-          hardware_flops_per_token=hw_flops, hfu=round(tps * hw_flops / H200_BF16_PEAK, 5),
+          mfu=round(tps * flops_per_token / peak, 5),
+          hardware_flops_per_token=hw_flops, hfu=round(tps * hw_flops / peak, 5),
           params_match_sljax=rep.data.get("hf_param_count") == cfg.param_count())
       status = 0
     except BaseException as e:  # noqa: BLE001 -- record everything, KeyboardInterrupt and SystemExit included

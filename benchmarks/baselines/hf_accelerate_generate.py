@@ -1,10 +1,10 @@
-"""Baseline for benchmarks/generate_throughput.py: the same workload through transformers' `generate`, with
+"""Baseline for benchmarks.generate_throughput: the same workload through transformers' `generate`, with
 accelerate's `device_map` offload (decoder layers that do not fit on the GPU wait in CPU memory and are copied to
 the GPU for every forward pass; the KV cache stays on the GPU).
 
-  python benchmarks/baselines/hf_accelerate_generate.py --model=llama70b --batch=<the sljax result's batch> \\
+  python -m benchmarks.baselines.hf_accelerate_generate --model=llama70b --batch=<the sljax result's batch> \\
       --out=benchmarks/results/generate_llama70b_hf_accelerate_h200.json
-  python benchmarks/baselines/hf_accelerate_generate.py --smoke --out=/tmp/hf_smoke.json   # tiny, on CPU
+  python -m benchmarks.baselines.hf_accelerate_generate --smoke --out=/tmp/hf_smoke.json   # tiny, on CPU
 
 Random bf16 weights made in place (no checkpoint to read: the GPU machine has none and no network): the model is
 built on the meta device, accelerate's `infer_auto_device_map` places whole decoder layers under --gpu_memory_gib
@@ -17,23 +17,19 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # models/ imports jax: keep it off the GPU that torch measures
 
-import datetime
-import json
-import platform
-import sys
 import tempfile
 import time
 
-import accelerate
 import torch
 import transformers
 from absl import app, flags
 from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from models.hf import config_to_hf  # noqa: E402
-from models.presets import get_config  # noqa: E402
+from benchmarks.common import GENERATION_SMOKE, provenance, write_results
+from models.hf import config_to_hf
+from models.presets import get_config
+from sljax.machines import GIB
 
 flags.DEFINE_string("model", "llama70b", "sljax preset, built as its transformers model.")
 flags.DEFINE_integer("batch", 0, "Rows: use the batch of the sljax result being compared (required unless --smoke).")
@@ -50,12 +46,6 @@ flags.DEFINE_bool("smoke", False, "Tiny shapes on CPU, half the layers offloaded
                   "path needs a GPU): checks the script's code path.")
 FLAGS = flags.FLAGS
 
-GIB = 2**30
-SMOKE = {  # as in benchmarks/generate_throughput.py
-    "llama": dict(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=512),
-    "opt": dict(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=512,
-                max_positions=128),
-}
 
 
 class StepTimer(transformers.LogitsProcessor):
@@ -134,7 +124,7 @@ def main(argv):
     raise SystemExit("give --batch: the batch of the sljax result this baseline is compared with")
   cfg = get_config(FLAGS.model, dict(dtype="bfloat16", param_dtype="bfloat16"))
   if FLAGS.smoke:
-    cfg = get_config(FLAGS.model, dict(dtype="bfloat16", param_dtype="bfloat16", **SMOKE[cfg.family]))
+    cfg = get_config(FLAGS.model, dict(dtype="bfloat16", param_dtype="bfloat16", **GENERATION_SMOKE[cfg.family]))
   batch = FLAGS.batch or 4
   prompt_len, new_tokens = (16, 4) if FLAGS.smoke else (FLAGS.prompt_len, FLAGS.new_tokens)
   kv_bytes = cfg.num_layers * batch * (prompt_len + new_tokens) * 2 * cfg.kv_heads * cfg.head_dim * 2
@@ -166,19 +156,15 @@ def main(argv):
     print(f"prefill {result['prefill_tokens_per_s']:.0f} tok/s, decode {result['decode_tokens_per_s'] or 0:.1f} tok/s, "
           f"overall {result['generation_tokens_per_s']:.1f} tok/s", flush=True)
   out = {
-      "command": " ".join([sys.executable, *sys.argv]),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-      "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-      "python": platform.python_version(), "smoke": FLAGS.smoke, "model": FLAGS.model, "model_config": cfg.__dict__,
+      **provenance(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch", "transformers",
+                   "accelerate"),
+      "smoke": FLAGS.smoke, "model": FLAGS.model, "model_config": cfg.__dict__,
       "prompt_len": prompt_len, "new_tokens": new_tokens, "requested_batch": FLAGS.batch or 4,
-      "gpu_total_bytes": gpu_total, "gpu_weight_budget_bytes": gpu_bytes, "kv_cache_bytes": kv_bytes, "modules_per_device": placed,
+      "gpu_total_bytes": gpu_total, "gpu_weight_budget_bytes": gpu_bytes, "kv_cache_bytes": kv_bytes,
+      "modules_per_device": placed,
       "weights": "random bf16 (norms 1, biases 0, the rest N(0, 0.02)), every tensor distinct",
       "build_seconds": build_seconds, "oom_attempts": attempts, "result": result}
-  if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      json.dump(out, f, indent=1)
+  write_results(FLAGS.out, out)
 
 
 if __name__ == "__main__":
