@@ -23,15 +23,14 @@ import numpy as np
 from absl import app, flags
 
 import sljax
-from benchmarks.common import batch_of, provenance, write_results
+from benchmarks.common import batch_of, define_flags, provenance, write_results
 from models.presets import build, get_config
 from sljax.checkpoint import Checkpointer
 from sljax.machines import GIB, PINNED_POOL_ENV, reserve_gpu_memory
 from sljax.memory import PeakResident, resident_bytes, tree_bytes
 from sljax.optim import OptimConfig, make_optimizer
 
-flags.DEFINE_string("out", "", "Write the results JSON here.")
-flags.DEFINE_bool("smoke", False, "Tiny model on CPU: checks the code path in seconds.")
+define_flags("Tiny model on CPU: checks the code path in seconds.")
 flags.DEFINE_string("workdir", "/tmp/sljax_checkpoint_scale", "Where the checkpoint is written (removed after).")
 flags.DEFINE_integer("max_layers", 12, "At most this many llama13b layers (fewer when the disk holds less).")
 flags.DEFINE_integer("rows", 32, "Sequences per step (4 sub-batches).")

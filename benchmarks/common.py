@@ -13,6 +13,7 @@ import time
 
 import jax
 import numpy as np
+from absl import flags
 
 from sljax.machines import PINNED_POOL_ENV, reserve_gpu_memory, xla_memory_env
 
@@ -24,6 +25,12 @@ GENERATION_SMOKE = {
     "opt": dict(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=512,
                 max_positions=128),
 }
+
+
+def define_flags(smoke: str, out: str = "Write the results JSON here."):
+  """The flags every absl benchmark takes: --out (where its results go) and --smoke (`smoke`: what it then runs)."""
+  flags.DEFINE_string("out", "", out)
+  flags.DEFINE_bool("smoke", False, smoke)
 
 
 def set_xla_memory(pinned_pool_gib: int):

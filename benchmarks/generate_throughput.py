@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import GENERATION_SMOKE, provenance, set_xla_memory, write_results
+from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, set_xla_memory, write_results
 from models.presets import build, get_config
 from sljax.generate import OffloadedGenerator, SamplingConfig
 from sljax.generate_plan import memory_budgets, plan
@@ -47,8 +47,8 @@ flags.DEFINE_integer("host_buffers", 0, "Distinct pinned-host weight groups per 
                      "group); fewer are reused for the rest when the model exceeds host RAM.")
 flags.DEFINE_integer("retries", 2, "On running out of device memory, retry with a 10% smaller device budget.")
 flags.DEFINE_float("bandwidth_gib", 2, "Size of the buffer timed for the host<->device bandwidth.")
-flags.DEFINE_string("out", "", "Write the results JSON here (rewritten after every model).")
-flags.DEFINE_bool("smoke", False, "Tiny shapes, a streamed layout: checks every code path on any machine.")
+define_flags("Tiny shapes, a streamed layout: checks every code path on any machine.",
+             out="Write the results JSON here (rewritten after every model).")
 FLAGS = flags.FLAGS
 
 

@@ -13,11 +13,11 @@ import json
 
 from absl import app, flags
 
-from benchmarks.common import provenance, write_results
+from benchmarks.common import define_flags, provenance, write_results
 
-flags.DEFINE_string("out", "", "Write the summary JSON here.")
+define_flags("Summarize SMOKE_TRACE instead of a trace file: checks the code path anywhere.",
+             out="Write the summary JSON here.")
 flags.DEFINE_string("png", "", "Draw the timeline here (needs matplotlib).")
-flags.DEFINE_bool("smoke", False, "Summarize SMOKE_TRACE instead of a trace file: checks the code path anywhere.")
 FLAGS = flags.FLAGS
 
 # A GPU computing 0-100 us and 150-200 us, copying in 50-120 us and out 180-190 us (a CPU event is left out):

@@ -21,14 +21,13 @@ import time
 
 from absl import app, flags
 
-from benchmarks.common import REPO, provenance, write_results
+from benchmarks.common import REPO, define_flags, provenance, write_results
 SMOKE_ARGS = ["--model=llama-tiny", "--set=num_layers=2", "--set=hidden_size=32", "--set=intermediate_size=64",
               "--set=num_heads=2", "--set=num_kv_heads=1", "--seq_len=32", "--batch_size=4", "--max_tokens=200000",
               "--steps=12", "--log_every=4", "--checkpoint_every=0", "--engine=offload", "--sub_batches=2"]
 
-flags.DEFINE_string("out", "", "Write the results JSON here.")
+define_flags("A tiny model on CPU: checks the code path in seconds.")
 flags.DEFINE_string("log", "", "Write the command's output here (default: the JSON's path with .log).")
-flags.DEFINE_bool("smoke", False, "A tiny model on CPU: checks the code path in seconds.")
 FLAGS = flags.FLAGS
 
 # The trainer's progress bar: "loss 11.426 | 2,053 tok/s | MFU 16.5%: ... 10/12 [...]" (metrics.progress_description)

@@ -31,7 +31,8 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from benchmarks.common import REPO, batch_of, provenance, set_xla_memory, timed, write_results  # noqa: E402
+from benchmarks.common import (REPO, batch_of, define_flags, provenance, set_xla_memory, timed,  # noqa: E402
+                               write_results)
 from models.presets import build, get_config  # noqa: E402
 from sljax import machines, metrics  # noqa: E402
 from sljax import plan as planner  # noqa: E402
@@ -39,11 +40,10 @@ from sljax.memory import Placement  # noqa: E402
 from sljax.mesh import make_mesh  # noqa: E402
 from sljax.schedule import Engine  # noqa: E402
 
-flags.DEFINE_string("out", "", "Write the results JSON here (rewritten after every case).")
-flags.DEFINE_bool("smoke", False, "Tiny model on CPU devices: checks every code path in a few minutes.")
+define_flags("Tiny model on CPU devices: checks every code path in a few minutes.",
+             out="Write the results JSON here (rewritten after every case).")
 flags.DEFINE_bool("process_per_case", True, "Run each case in a fresh process. XLA's pinned-host pool never shrinks, "
-                  "so a case run after another starts with the first one's pool (data parallel then ran out of host "
-                  "memory).")
+                  "so a case run after another starts with the first one's pool on top of its own.")
 flags.DEFINE_list("cases", "one_gpu,data_parallel,fsdp", "Which cases to run, in order.")
 flags.DEFINE_integer("gpus", 2, "GPUs of the data-parallel and FSDP cases.")
 flags.DEFINE_string("model", "llama13b", "Model preset.")

@@ -24,7 +24,7 @@ import optax
 from absl import app, flags
 from jax import lax
 
-from benchmarks.common import batch_of, provenance, set_xla_memory, timed, write_results
+from benchmarks.common import batch_of, define_flags, provenance, set_xla_memory, timed, write_results
 from models.presets import build, get_config, parse_overrides
 from sljax import plan as planner
 from sljax.machines import GIB, default_budget, rates_of
@@ -35,8 +35,7 @@ from sljax.schedule import Engine
 # 128 GiB machine has.
 set_xla_memory(pinned_pool_gib=96)
 
-flags.DEFINE_string("out", "", "Write the results JSON here.")
-flags.DEFINE_bool("smoke", False, "Tiny shapes: checks every code path on any machine in a minute.")
+define_flags("Tiny shapes: checks every code path on any machine in a minute.")
 flags.DEFINE_list("cases", "big,fits", "Which cases to run.")
 flags.DEFINE_integer("big_batch", 32, "llama13b effective batch (sequences of --seq_len).")
 flags.DEFINE_integer("fits_batch", 16, "Effective batch of the model that fits.")

@@ -26,7 +26,7 @@ from absl import app, flags
 from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 
-from benchmarks.common import GENERATION_SMOKE, provenance, write_results
+from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, write_results
 from models.hf import config_to_hf
 from models.presets import get_config
 from sljax.machines import GIB
@@ -41,9 +41,8 @@ flags.DEFINE_float("gpu_total_gib", 0, "Act as if the GPU had this much memory, 
                    "fraction (0: all of it). Matches sljax runs given --device_memory_gib.")
 flags.DEFINE_float("cpu_memory_gib", 100, "CPU memory for offloaded weights.")
 flags.DEFINE_string("attn_implementation", "sdpa", "transformers attention implementation.")
-flags.DEFINE_string("out", "", "Write the results JSON here.")
-flags.DEFINE_bool("smoke", False, "Tiny shapes on CPU, half the layers offloaded to disk (the GPU's CPU offload "
-                  "path needs a GPU): checks the script's code path.")
+define_flags("Tiny shapes on CPU, half the layers offloaded to disk (the GPU's CPU offload path needs a GPU): "
+             "checks the script's code path.")
 FLAGS = flags.FLAGS
 
 

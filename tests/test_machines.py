@@ -1,0 +1,49 @@
+"""Machine facts: the table, this machine's RAM, XLA's memory settings and the default budgets built from them."""
+
+import types
+
+import pytest
+
+from sljax import machines
+from sljax.machines import GIB, H200, MACHINES, PINNED_FRACTION, PINNED_POOL_ENV
+
+
+def gpu(bytes_limit: int):
+  """A stand-in for a jax.Device of a GPU (default_budget reads its platform and allocator limit only)."""
+  return types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": bytes_limit})
+
+
+def test_ram_is_read_from_meminfo():
+  info = machines.meminfo()
+  assert machines.ram_bytes() == info["MemTotal"] > machines.available_ram_bytes() == info["MemAvailable"] > 0
+
+
+@pytest.mark.parametrize("pool_gib", [None, 2, 10_000])
+def test_a_gpu_host_budget_is_its_share_of_three_quarters_of_ram_within_its_pool(monkeypatch, pool_gib):
+  if pool_gib is None:
+    monkeypatch.delenv(PINNED_POOL_ENV, raising=False)
+  else:
+    monkeypatch.setenv(PINNED_POOL_ENV, str(pool_gib))
+  pool = (pool_gib or machines.XLA_PINNED_POOL_GIB) * GIB
+  for sharing in (1, 4):
+    budget = machines.default_budget(gpu(80 * GIB), sharing=sharing)
+    assert budget.device_bytes == 80 * GIB
+    assert budget.host_bytes == min(int(PINNED_FRACTION * machines.ram_bytes()) // sharing, pool)
+
+
+def test_pinned_pools_are_capped_per_gpu_unless_the_user_set_them(monkeypatch):
+  monkeypatch.setenv(PINNED_POOL_ENV, "")  # restored after the test, whatever cap_pinned_pools sets
+  monkeypatch.delenv(PINNED_POOL_ENV)
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+  machines.cap_pinned_pools(100 * GIB)
+  assert machines.pinned_pool_bytes() == 50 * GIB
+  machines.cap_pinned_pools(10 * GIB)  # the first value stands, as a user's would
+  assert machines.pinned_pool_bytes() == 50 * GIB
+
+
+def test_unmeasured_gpus_keep_the_h200s_proportions():
+  a100 = MACHINES["a100-80gb"]
+  assert a100.copy_both_bytes_per_s / a100.copy_bytes_per_s == pytest.approx(H200.copy_both_bytes_per_s / 53e9)
+  assert a100.generation_flops / a100.peak_flops == pytest.approx(H200.generation_flops / H200.peak_flops)
+  assert a100.allocator_bytes < a100.memory_bytes and a100.layer_efficiency == H200.layer_efficiency
+  assert machines.rates_of("NVIDIA A100-SXM4-80GB") is a100 and machines.rates_of("cpu") is machines.REFERENCE
