@@ -1,7 +1,7 @@
 """What int8 / int4 weight compression (sljax.quant) costs in quality, on a model trained briefly on CPU.
 
-  python benchmarks/quant_quality.py --out=benchmarks/results/quant_quality_cpu.json   # llama-tiny, ~2 min on 2 cores
-  python benchmarks/quant_quality.py --smoke --out=/tmp/quant_smoke.json                # seconds
+  python -m benchmarks.quant_quality --out=benchmarks/results/quant_quality_cpu.json   # llama-tiny, ~2 min on 2 cores
+  python -m benchmarks.quant_quality --smoke --out=/tmp/quant_smoke.json                # seconds
 
 Trains `--model` for `--steps` steps (AdamW, plain jitted step) on the embedded corpus, then runs held-out text (the
 windows of the steps after training, never trained on in the first epoch) through the model with its layer kernels
@@ -9,23 +9,19 @@ in bf16 (what is streamed today), and dequantized from int8 and int4 (per-group 
 format: perplexity, its ratio to bf16, and the largest and mean |logit - bf16 logit|; and the bytes per layer.
 """
 
-import datetime
 import json
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from absl import app, flags  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+from absl import app, flags
 
-from models.presets import build, get_config  # noqa: E402
-from sljax.data import DataConfig, make_source  # noqa: E402
-from sljax.memory import tree_bytes  # noqa: E402
-from sljax.quant import QuantConfig, dequantize_layers, quantize_layers  # noqa: E402
+from benchmarks.common import define_flags, provenance, write_results
+from models.presets import build, get_config
+from sljax.data import DataConfig, make_source
+from sljax.memory import tree_bytes
+from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
 
 flags.DEFINE_string("model", "llama-tiny", "Model preset.")
 flags.DEFINE_multi_string("set", [], "Model config override field=value.")
@@ -35,8 +31,7 @@ flags.DEFINE_integer("seq_len", 128, "Tokens per sequence.")
 flags.DEFINE_float("learning_rate", 3e-3, "AdamW peak rate (20 warmup steps, cosine to 10%).")
 flags.DEFINE_integer("eval_batches", 16, "Held-out batches.")
 flags.DEFINE_integer("group_size", 128, "Contraction rows per scale.")
-flags.DEFINE_bool("smoke", False, "A 2-layer model, 10 steps of 4 x 32: checks the code path in seconds.")
-flags.DEFINE_string("out", "", "Write the results JSON here.")
+define_flags("A 2-layer model, 10 steps of 4 x 32: checks the code path in seconds.")
 FLAGS = flags.FLAGS
 
 
@@ -101,15 +96,11 @@ def main(argv):
   for name in results:
     results[name]["perplexity_over_bf16"] = results[name]["perplexity"] / results["bf16"]["perplexity"]
     results[name]["bytes_over_bf16"] = results[name]["layer_bytes"] / results["bf16"]["layer_bytes"]
-  out = {"command": " ".join(["python", *sys.argv]),
-         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         "device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": FLAGS.model, "overrides": overrides(),
+  out = {**provenance(), "model": FLAGS.model, "overrides": overrides(),
          "train_steps": steps, "train_loss_first_last": [losses[0], losses[-1]], "held_out_tokens": tokens,
          "group_size": FLAGS.group_size, "formats": results}
   print(json.dumps(out, indent=1))
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
-      json.dump(out, f, indent=1)
+  write_results(FLAGS.out, out)
 
 
 if __name__ == "__main__":

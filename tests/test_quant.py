@@ -77,7 +77,7 @@ def test_bad_configs_are_refused():
 
 def test_quality_smoke_on_a_briefly_trained_model(tmp_path):
   out = tmp_path / "quality.json"
-  subprocess.run([sys.executable, "benchmarks/quant_quality.py", "--smoke", f"--out={out}"], cwd=REPO, check=True,
+  subprocess.run([sys.executable, "-m", "benchmarks.quant_quality", "--smoke", f"--out={out}"], cwd=REPO, check=True,
                  capture_output=True)
   formats = json.loads(out.read_text())["formats"]
   assert formats["bf16"]["max_abs_logit_diff"] == 0
