@@ -13,8 +13,8 @@ import logging as std_logging
 import math
 import os
 
-from sljax.machines import (MACHINES, PINNED_POOL_ENV, cap_pinned_pools, default_host_budget_help,
-                            reserve_gpu_memory)
+from sljax.machines import (GIB, MACHINES, PINNED_POOL_ENV, Budget, cap_pinned_pools, default_budget,
+                            default_host_budget_help, reserve_gpu_memory, target_budget)
 
 # The plan packs optimizer state into the device memory it is given: give XLA nearly all of each GPU (the benchmarks
 # run at this value). Read when the backend starts, which importing jax does not do.
@@ -30,7 +30,7 @@ from sljax.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Ch
 from sljax.data import DataConfig, Source, make_source
 from sljax.mesh import check_batch, initialize_distributed, make_mesh
 from sljax.optim import DECAY_SHAPES, RECIPES, make_optimizer, recipe_for
-from sljax.plan import GIB, Budget, default_budget, make_plan, plan_batch, target_budget
+from sljax.plan import make_plan, plan_batch
 from sljax.trainer import RunConfig
 
 DEFAULT_MODEL = "llama-tiny"

@@ -15,7 +15,8 @@ import optax
 
 from models.config import ModelConfig
 from models.presets import build, get_config
-from sljax.machines import (GIB, REFERENCE, Budget, Machine, default_budget, rates_of,  # noqa: F401 (re-exported)
+# Budget, default_budget and target_budget are machine facts (sljax.machines), re-exported for the planner's callers.
+from sljax.machines import (GIB, REFERENCE, Budget, Machine, default_budget, rates_of,  # noqa: F401
                             target_budget)
 from sljax.schedule import Engine, EngineConfig
 
