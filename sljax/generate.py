@@ -34,6 +34,7 @@ import numpy as np
 
 from models.common import cache_positions, params_reader
 from sljax.memory import Placement, prefetch
+from sljax.quant import WEIGHT_BITS, QuantConfig, dequantize_layers, quantize_layers
 
 IN_FLIGHT = 2  # group calls the host may dispatch ahead of the device; more would hold more copies on the device
 
@@ -68,10 +69,20 @@ class OffloadConfig:
   live_layers: int = 1  # layers per group: one jitted call runs one group over one sub-batch
   resident_layers: int = 0  # the last layers, whose weights stay on the device; the others stream from pinned host
   kv_on_host: bool = True  # each sub-batch's KV cache waits in pinned host memory between passes
+  # Streamed (and resident) layers' matmul kernels as int8 / int4 codes with a scale per group of `weight_group_size`
+  # rows (sljax.quant), dequantized on the device inside each call; 16: the compute dtype, exact.
+  streamed_bits: int = 16
+  resident_bits: int = 16
+  weight_group_size: int = 128
 
   def __post_init__(self):
     if self.sub_batches < 1 or self.live_layers < 1 or self.resident_layers < 0:
       raise ValueError(f"sub_batches and live_layers must be >= 1 and resident_layers >= 0, got {self}")
+    for name in ("streamed_bits", "resident_bits"):
+      if getattr(self, name) not in WEIGHT_BITS:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, WEIGHT_BITS))}, got {getattr(self, name)}")
+    if self.weight_group_size < 1:
+      raise ValueError(f"weight_group_size must be >= 1, got {self.weight_group_size}")
 
 
 # ---- sampling and the jitted pieces ------------------------------------------------------------------------------
@@ -109,7 +120,7 @@ def _layers(model, stacked, h_BxSxD, cache, offset, start_B, max_len: int):
   """A group of layers over one sub-batch through its cache; cache None starts an empty one (the prompt's pass)."""
   if cache is None:
     cache = model.init_cache(jax.tree.leaves(stacked)[0].shape[0], h_BxSxD.shape[0], max_len)
-  return model.layers_cached(stacked, h_BxSxD, cache, offset, start_B)
+  return model.layers_cached(dequantize_layers(stacked, model.cfg.dtype), h_BxSxD, cache, offset, start_B)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -237,8 +248,18 @@ class OffloadedGenerator:
     reader = params_reader(params)
     dtype = jnp.dtype(self.model.cfg.dtype)
     cast = lambda tree: jax.tree.map(lambda x: np.asarray(x).astype(dtype, copy=False), tree)
-    groups = [self._home(g, cast(reader.layers(a, b))) for g, (a, b) in enumerate(self.groups)]
+    groups = [self._home(g, self._compress(self._bits(g), cast(reader.layers(a, b))))
+              for g, (a, b) in enumerate(self.groups)]
     return {"outer": self.place.to_device(cast(reader.outer())), "groups": groups}
+
+  def _bits(self, g: int) -> int:
+    return self.offload.resident_bits if self.resident[g] else self.offload.streamed_bits
+
+  def _compress(self, bits: int, stacked):
+    """Layers as the config keeps them: in the compute dtype (16), or with int8 / int4 kernels."""
+    if bits == 16:
+      return stacked
+    return quantize_layers(stacked, QuantConfig(bits=bits, group_size=self.offload.weight_group_size))
 
   def init(self, key: jax.Array, host_buffers: int | None = None) -> dict:
     """Random weights, made one group at a time on the device, so the whole model never has to fit there;
@@ -253,17 +274,18 @@ class OffloadedGenerator:
     outer_key, layers_key = jax.random.split(key)
     layer_keys = jax.random.split(layers_key, self.model.cfg.num_layers)
     make_outer = jax.jit(lambda k: cast(self.model.init_outer(k)), out_shardings=self.place.device())
-    make = {where: jax.jit(lambda keys: cast(self.model.init_layers(keys)), out_shardings=sharding)
-            for where, sharding in (("device", self.place.device()), ("host", self.place.host()))}
+    make = {resident: jax.jit(lambda keys, bits: self._compress(bits, cast(self.model.init_layers(keys))),
+                              static_argnums=1, out_shardings=sharding)
+            for resident, sharding in ((True, self.place.device()), (False, self.place.host()))}
     made, used = collections.defaultdict(list), collections.Counter()  # by group size: distinct host groups, uses
     groups = []
     for g, (a, b) in enumerate(self.groups):
       if self.resident[g]:
-        groups.append(make["device"](layer_keys[a:b]))
+        groups.append(make[True](layer_keys[a:b], self._bits(g)))
         continue
       pool = made[b - a]
       if host_buffers is None or len(pool) < host_buffers:
-        pool.append(make["host"](layer_keys[a:b]))
+        pool.append(make[False](layer_keys[a:b], self._bits(g)))
       groups.append(pool[used[b - a] % len(pool)])
       used[b - a] += 1
     return {"outer": make_outer(outer_key), "groups": groups}

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 CODES = {8: 127, 4: 7}  # symmetric: int4 leaves -8 unused, so that 0 stays exact and the range is even
+WEIGHT_BITS = (16, 8, 4)  # what a layer's weights may be kept as: the compute dtype, or int8 / int4 codes
 
 
 @dataclasses.dataclass(frozen=True)

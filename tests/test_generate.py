@@ -330,3 +330,41 @@ def test_cli_bad_requests_exit_with_one_line(message):
   errors = [line for line in result.stderr.splitlines() if line.startswith("sljax:")]
   assert len(errors) == 1 and message in errors[0], result.stderr
   assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compressed_streamed_weights_cross_fewer_bytes_and_stay_close_to_the_exact_logits(bits):
+  model, params, prompts = _setup("llama")
+  layout = dict(sub_batches=2, live_layers=1, resident_layers=1)
+  exact, packed = (OffloadedGenerator(model, OffloadConfig(**layout, streamed_bits=b)) for b in (16, bits))
+  want = exact.prompt_logits(exact.load(params), prompts)
+  weights = packed.load(params)
+  resident = [g for g, flag in enumerate(packed.resident) if flag]
+  for g in resident:  # resident_bits stays 16: those layers are the exact ones
+    for a, b in zip(jax.tree.leaves(weights["groups"][g]), jax.tree.leaves(exact.load(params)["groups"][g])):
+      np.testing.assert_array_equal(a, b)
+  before = {engine: dict(engine.place.moved) for engine in (exact, packed)}
+  got = packed.prompt_logits(weights, prompts)
+  exact.prompt_logits(exact.load(params), prompts)
+  crossed = {e: e.place.moved["host_to_device"] - before[e]["host_to_device"] for e in (exact, packed)}
+  # Streamed kernels: bits / 32 of the fp32 bytes plus a float16 scale per column of each 32- or 48-row group.
+  assert crossed[packed] < (0.31 if bits == 8 else 0.19) * crossed[exact]
+  error = np.max(np.abs(got - want))
+  assert 0 < error < (0.02 if bits == 8 else 0.3) * np.max(np.abs(want))
+
+
+def test_compressed_init_equals_compressed_load_of_model_init():
+  model, _, _ = _setup("opt")
+  generator = OffloadedGenerator(model, OffloadConfig(live_layers=2, resident_layers=1, streamed_bits=4,
+                                                      resident_bits=8))
+  key = jax.random.key(3)
+  made, loaded = generator.init(key), generator.load(jax.jit(model.init)(key))
+  assert jax.tree.structure(made) == jax.tree.structure(loaded)
+  for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(loaded)):
+    assert a.dtype == b.dtype and a.sharding.memory_kind == b.sharding.memory_kind
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-3, atol=1e-3)
+
+
+def test_weight_bits_other_than_16_8_4_are_refused():
+  with pytest.raises(ValueError, match="streamed_bits must be one of 16, 8, 4, got 2"):
+    OffloadConfig(streamed_bits=2)
