@@ -24,14 +24,14 @@ DOCS_PER_CHUNK = 256  # documents read and tokenized together
 class DataConfig:
   """Where the text comes from, how it becomes tokens, and the batch shape."""
 
-  name: str = STDLIB  # "stdlib" (embedded) or a TFDS name: "c4/en", "openwebtext", "wikipedia/20230601.en"
+  name: str = STDLIB  # corpus: "stdlib" (embedded) or a TFDS name: "c4/en", "openwebtext", "wikipedia/20230601.en"
   data_dir: str | None = None  # TFDS data_dir (None: TFDS's default, ~/tensorflow_datasets or $TFDS_DATA_DIR)
   tokenizer: str | None = None  # sentencepiece .model or Hugging Face tokenizer.json; None: bytes, vocab 256
   split: str = "train"  # TFDS split, slices allowed ("train[:1%]")
   text_key: str = "text"  # TFDS feature holding the document text
-  seq_len: int = 128
-  batch_size: int = 8
-  seed: int = 0  # picks the window order of every epoch
+  seq_len: int = 128  # tokens per sequence
+  batch_size: int = 8  # sequences per step
+  seed: int = 0  # picks the window order of every epoch (the trainer seeds the model's initialization with it too)
   max_tokens: int = 2**24  # tokens read and kept in memory: documents are read in order until the stream is this long
 
   def __post_init__(self):

@@ -3,6 +3,7 @@ each preset's training recipe, from its paper."""
 
 import dataclasses
 import math
+import typing
 
 import jax.numpy as jnp
 import optax
@@ -10,7 +11,8 @@ import optax
 from models.config import ModelConfig
 from models.presets import PRESETS
 
-DECAY_SHAPES = ("cosine", "linear")
+DecayShape = typing.Literal["cosine", "linear"]
+DECAY_SHAPES = typing.get_args(DecayShape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,17 +25,17 @@ class OptimConfig:
   CPU recipe; RECIPES holds every preset's.
   """
 
-  learning_rate: float = 3e-3
-  warmup_steps: int = 20
-  decay_steps: int = 0
-  decay_shape: str = "cosine"
-  min_lr_ratio: float = 0.1
-  weight_decay: float = 0.1
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  grad_clip_norm: float = 1.0  # 0: no clipping
-  moments_dtype: str = "float32"  # Adam's first moment (optax keeps the second in the params' dtype)
+  learning_rate: float = 3e-3  # peak learning rate
+  warmup_steps: int = 20  # linear warmup steps
+  decay_steps: int = 0  # steps until the rate reaches its floor; 0: constant after warmup
+  decay_shape: DecayShape = "cosine"  # decay after warmup
+  min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
+  weight_decay: float = 0.1  # AdamW weight decay
+  b1: float = 0.9  # Adam beta1
+  b2: float = 0.95  # Adam beta2
+  eps: float = 1e-8  # Adam epsilon
+  grad_clip_norm: float = 1.0  # clip gradients to this global norm, 0: off
+  moments_dtype: str = "float32"  # dtype of Adam's first moment (optax keeps the second in the params' dtype)
 
   def __post_init__(self):
     # Written so that NaN fails every check: a NaN learning rate would train, and save, an all-NaN model.

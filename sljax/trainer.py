@@ -1,5 +1,5 @@
-"""The training loop around an engine's `step(state, batch) -> (state, loss)`: resume, log, checkpoint, profile,
-skip non-finite steps, stop cleanly on SIGTERM / SIGINT."""
+"""The training loop around any `Step` (its `step(state, batch) -> (state, loss)`): resume, log, checkpoint, profile,
+skip non-finite steps, stop cleanly on SIGTERM / SIGINT. sljax.launch builds the step."""
 
 import dataclasses
 import json
@@ -8,29 +8,19 @@ import os
 import signal
 import threading
 import time
+import typing
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from models.common import params_reader
-from models.config import ModelConfig
-from models.presets import build
-from sljax import metrics, schedule
+from sljax import metrics
 from sljax.checkpoint import Checkpointer, check_disk
 from sljax.data import Source
-from sljax.machines import GIB, available_ram_bytes
-from sljax.memory import Placement, tree_bytes
-from sljax.mesh import PER_DEVICE
-from sljax.optim import OptimConfig, learning_rate_schedule, make_optimizer
-from sljax.plan import optimizer_bytes_per_param
-from sljax.schedule import EngineConfig
+from sljax.memory import tree_bytes
 
 PROFILE_STEPS = 3  # steps traced by --profile, starting after the first (compiling) step of the run
 
@@ -40,10 +30,10 @@ class RunConfig:
   """How long to train and what to write where."""
 
   steps: int = 300  # total optimizer steps, counting those done before a resume
-  workdir: str = ""  # checkpoints/, tb/, profile/; "": runs/<model>
-  checkpoint_every: int = 100  # 0: no checkpoints at all (nothing to resume from)
-  keep_checkpoints: int = 2
-  log_every: int = 10
+  workdir: str = ""  # where checkpoints/, tb/ and profile/ go; "": runs/<model>
+  checkpoint_every: int = 100  # save a checkpoint every this many steps; 0: none at all (nothing to resume from)
+  keep_checkpoints: int = 2  # newest checkpoints kept
+  log_every: int = 10  # log throughput and refresh the progress bar every this many steps
   profile: bool = False  # write a jax.profiler trace of PROFILE_STEPS steps into workdir/profile
   stop_after_bad_steps: int = 5  # non-finite steps in a row (each skipped) after which the run stops
   loss_log: str = ""  # append {"step", "loss"} JSON lines here at every sync; "": none
@@ -60,90 +50,29 @@ class Diverged(RuntimeError):
   """Too many non-finite steps in a row: the run stopped; no checkpoint holds their updates."""
 
 
-class Engine(NamedTuple):
-  """How one training step runs. `abstract` gives the state's shapes and shardings (memory kinds included) without
-  allocating, so a checkpoint restores straight into place.
+class Step(typing.Protocol):
+  """What the loop needs of a training step (sljax.launch builds one for the all-on-device step and one for the
+  offload engine). `abstract` gives the state's shapes and shardings (memory kinds included) without allocating, so
+  a checkpoint restores straight into place.
 
-  A step with a non-finite loss is a bad step. An engine that `skips_bad_steps` returns its input state unchanged
-  from one (and a NaN loss when only the gradient was non-finite); any other engine's state is spoiled by it, and
-  the trainer rewinds to the newest checkpoint and replays up to the bad step, which it then skips.
+  A step with a non-finite loss is a bad step. A step that `skips_bad_steps` returns its input state unchanged from
+  one (and a NaN loss when only the gradient was non-finite); any other step's state is spoiled by it, and the loop
+  rewinds to the newest checkpoint and replays up to the bad step, which it then skips.
   """
 
-  init: Callable  # key -> state
-  load: Callable  # full-model params ({"outer", "layers"}) or a reader of them (models.hf.HFWeights) -> state
-  step: Callable  # (state, batch) -> (state, loss); may donate state
-  abstract: Callable  # key -> state of jax.ShapeDtypeStruct with shardings
   skips_bad_steps: bool
 
+  def init(self, key: jax.Array) -> typing.Any:
+    """A fresh state from a random init."""
 
-def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.Device | None = None,
-                  mesh: jax.sharding.Mesh | None = None) -> Engine:
-  """The whole model, its gradients and optimizer state on one device; one jitted call per step. With `mesh`: on
-  every device of it, each taking its rows of the batch (data parallel; XLA all-reduces the gradient)."""
-  sharding = (Placement(mesh).device() if mesh is not None
-              else jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))
+  def load(self, params) -> typing.Any:
+    """A fresh state from full-model params ({"outer", "layers"}) or a reader of them (models.hf.HFWeights)."""
 
-  def init(key):
-    params = model.init(key)
-    return {"params": params, "opt_state": optimizer.init(params)}
+  def step(self, state, batch: dict[str, np.ndarray]) -> tuple[typing.Any, jax.Array]:
+    """(new state, loss); may donate `state`."""
 
-  def load(params):
-    reader = params_reader(params)  # the whole model fits on the device here, so it fits in host RAM too
-    params = jax.device_put({"outer": reader.outer(), "layers": reader.layers(0, model.cfg.num_layers)}, sharding)
-    return jax.jit(lambda p: {"params": p, "opt_state": optimizer.init(p)}, out_shardings=sharding)(params)
-
-  def step(state, batch):
-    loss, grads = jax.value_and_grad(model.loss)(state["params"], batch)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    new_state = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
-    finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
-    keep_old = lambda new, old: jnp.where(finite, new, old)
-    return jax.tree.map(keep_old, new_state, state), jnp.where(finite, loss, jnp.nan)
-
-  init = jax.jit(init, out_shardings=sharding)
-  step = jax.jit(step, donate_argnums=0)
-  if mesh is not None:  # each device takes its rows of the batch
-    place, sharded_step = Placement(mesh), step
-    step = lambda state, batch: sharded_step(state, place.to_device(batch, PER_DEVICE))
-  return Engine(init, load, step, lambda key: jax.eval_shape(init, key), skips_bad_steps=True)
-
-
-def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
-              mesh: jax.sharding.Mesh | None = None) -> Engine:
-  """The SpeedLoader engine (sljax.schedule): layer-major, sub-batched, with host-resident state; over `mesh`, data
-  parallel + FSDP."""
-  engine = schedule.Engine(model, make_optimizer(optim_cfg, clip=False),
-                           dataclasses.replace(engine_cfg, grad_clip_norm=optim_cfg.grad_clip_norm),
-                           None if mesh is None else Placement(mesh))
-  # A non-finite loss leaves its state unchanged; a non-finite gradient too when clipping (the updates then wait for
-  # the global norm). Without clipping, updates stream out before the whole gradient is known: rewind instead.
-  return Engine(engine.init, engine.from_params, engine.step, engine.abstract_state,
-                skips_bad_steps=optim_cfg.grad_clip_norm > 0)
-
-
-def training_state_bytes(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> int:
-  """Master weights, gradients and the optimizer's state; activations come on top."""
-  param_bytes = jnp.dtype(model_cfg.param_dtype).itemsize
-  per_param = 2 * param_bytes + optimizer_bytes_per_param(make_optimizer(optim_cfg), model_cfg.param_dtype)
-  return int(model_cfg.param_count() * per_param)
-
-
-def memory_available(device: jax.Device) -> int | None:
-  """Bytes a training state may use: the accelerator's allocator limit, or the host's available RAM on CPU; None
-  when the platform does not say."""
-  if device.platform == "cpu":
-    return available_ram_bytes()
-  return (device.memory_stats() or {}).get("bytes_limit")
-
-
-def check_fits(model_name: str, model_cfg: ModelConfig, optim_cfg: OptimConfig, device: jax.Device):
-  """Raises ValueError before anything is allocated when the all-on-device training state cannot fit."""
-  needed, available = training_state_bytes(model_cfg, optim_cfg), memory_available(device)
-  if available is not None and needed > available:
-    raise ValueError(
-        f"{model_name} ({model_cfg.param_count() / 1e9:.2f} B params) needs {needed / GIB:.1f} GiB for weights, "
-        f"gradients and Adam moments, but {device.device_kind} {device.id} has {available / GIB:.1f} GiB; "
-        f"train it with the offload engine (--engine=offload)")
+  def abstract(self, key: jax.Array) -> typing.Any:
+    """The state as jax.ShapeDtypeStructs with shardings."""
 
 
 def check_workdir(workdir: str):
@@ -211,14 +140,13 @@ def _in_a_row(step: int, skipped: set[int]) -> int:
   return length
 
 
-def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cfg: RunConfig, meta: dict,
-          engine_cfg: EngineConfig | None = None, mesh: jax.sharding.Mesh | None = None,
-          init_params=None) -> dict[int, float]:
+def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning_rate: Callable[[int], float],
+          flops_per_token: float, devices: int = 1, init_params=None) -> dict[int, float]:
   """Trains to `run_cfg.steps`, resuming from the newest checkpoint in the workdir; returns {step: loss} of the
   steps this call ran (step n is the loss of the n-th update, 1-based; NaN for a skipped step). `meta` is saved
-  with every checkpoint. With `engine_cfg` the step is the offload engine's, else the plain all-on-device step;
-  `mesh` spreads either over several devices (sljax.mesh). A run with no checkpoint yet starts from `init_params`
-  (full-model params or a reader of them, e.g. models.hf.HFWeights) when given, else from a random init.
+  with every checkpoint. `learning_rate` (the schedule: update index -> rate) and `flops_per_token` are logged with
+  the losses, the MFU over `devices` devices. A run with no checkpoint yet starts from `init_params` (full-model
+  params or a reader of them, e.g. models.hf.HFWeights) when given, else from a random init.
 
   The loop runs at most one step ahead of the device (it waits for step n-1's loss after dispatching step n), so
   SIGTERM / SIGINT stop it after the step in flight, which it saves. It reads losses at sync points: every
@@ -228,10 +156,6 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
   the workdir's disk cannot hold the checkpoints the run will keep.
   """
   device = jax.devices()[0]
-  if engine_cfg is None:
-    engine = all_on_device(build(model_cfg), make_optimizer(optim_cfg), device, mesh)
-  else:
-    engine = offloaded(build(model_cfg), optim_cfg, engine_cfg, mesh)
   key = jax.random.key(source.cfg.seed)
   directory = os.path.join(run_cfg.workdir, "checkpoints")
   if run_cfg.checkpoint_every:  # before anything is written: a run must not find out at its first save
@@ -259,9 +183,7 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
   lead = jax.process_index() == 0  # on several hosts, only the first one logs
   logger = metrics.Logger(run_cfg.workdir, enabled=lead)
   loss_log = open(run_cfg.loss_log, "a") if run_cfg.loss_log and lead else None
-  schedule = learning_rate_schedule(optim_cfg)
   tokens_per_step = source.cfg.batch_size * source.cfg.seq_len
-  flops_per_token = model_cfg.flops_per_token(source.cfg.seq_len)
   profile_start = start + 1 if run_cfg.steps - start > 1 else start
   skipped = set(saved_meta.get("skipped_steps", []))
   history, pending, previous_loss = {}, [], None
@@ -306,9 +228,9 @@ def train(model_cfg: ModelConfig, source: Source, optim_cfg: OptimConfig, run_cf
         skipped.update(bad)
         seconds = time.perf_counter() - window_start
         tokens_per_s = window_steps * tokens_per_step / seconds
-        utilization = metrics.mfu(tokens_per_s, flops_per_token, 1 if mesh is None else mesh.size, device)
+        utilization = metrics.mfu(tokens_per_s, flops_per_token, devices, device)
         for n, value in losses.items():
-          logger.scalars(n, {"loss": value, "learning_rate": float(schedule(n - 1))})
+          logger.scalars(n, {"loss": value, "learning_rate": float(learning_rate(n - 1))})
         logger.scalars(step, {"tokens_per_s": tokens_per_s, "mfu": utilization, "step_seconds": seconds / window_steps,
                               "skipped_steps": len(skipped)})
         logger.flush()

@@ -1,5 +1,7 @@
 """Each preset trains with its paper's recipe; flags replace fields; bad numbers are refused in one line."""
 
+import os
+
 import pytest
 from absl import flags
 
@@ -104,5 +106,6 @@ def test_host_memory_flag_is_checked_before_the_pinned_pool_is_set(monkeypatch):
   monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
   flags.FLAGS.unparse_flags()
   flags.FLAGS(["train.py", "--host_memory_gib=-3"])
-  with pytest.raises(ValueError, match="host_memory_gib must be"):
-    train.set_pinned_pool()
+  with pytest.raises(SystemExit, match="^sljax: --host_memory_gib must be"):
+    train.main(["train.py"])
+  assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in os.environ

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import train
-from sljax import trainer
+from sljax import launch, trainer
 from sljax.checkpoint import StateHandler, read_arrays
 from sljax.data import make_source
 from test_train import REPO, TINY, train_in_process
@@ -190,7 +190,7 @@ def test_bad_steps_are_skipped_never_saved_and_stop_the_run_when_in_a_row(tmp_pa
 def test_a_finite_loss_with_a_non_finite_gradient_is_a_bad_step_too():
   # d sqrt(w) / dw at w = 0 is infinite while sqrt(0) is 0.
   model = SimpleNamespace(init=lambda key: {"w": jnp.zeros(3)}, loss=lambda params, batch: jnp.sqrt(params["w"]).sum())
-  engine = trainer.all_on_device(model, optax.adam(0.1))
+  engine = launch.all_on_device(model, optax.adam(0.1))
   state = engine.init(jax.random.key(0))
   before = jax.tree.map(np.asarray, state)
   state, loss = engine.step(state, {})
@@ -211,7 +211,7 @@ def test_a_read_only_workdir_is_refused_before_anything_is_written(tmp_path):
 def slowed_steps(monkeypatch, on_dispatch):
   """Makes the all-on-device engine's steps slow on the device (the dispatch stays fast) and calls
   `on_dispatch(step, losses so far)` after each dispatch."""
-  make_engine = trainer.all_on_device
+  make_engine = launch.all_on_device
 
   @jax.jit
   def slow(loss):
@@ -230,7 +230,7 @@ def slowed_steps(monkeypatch, on_dispatch):
 
     return inner._replace(step=step)
 
-  monkeypatch.setattr(trainer, "all_on_device", engine)
+  monkeypatch.setattr(launch, "all_on_device", engine)
 
 
 def test_the_loop_runs_at_most_one_step_ahead_of_the_device(tmp_path, monkeypatch):
@@ -274,14 +274,14 @@ def test_a_disk_too_small_for_the_checkpoints_is_refused_before_anything_is_writ
 
 
 def test_a_run_whose_updates_poison_the_state_saves_nothing_and_says_so(tmp_path, monkeypatch):
-  make_engine = trainer.all_on_device
+  make_engine = launch.all_on_device
 
   def poisoning(*args, **kwargs):  # finite loss and gradient, non-finite update (a NaN learning rate does this)
     inner = make_engine(*args, **kwargs)
     poison = jax.jit(lambda state: jax.tree.map(lambda x: x * np.nan if x.dtype.kind == "f" else x, state))
     return inner._replace(step=lambda state, batch: (lambda out: (poison(out[0]), out[1]))(inner.step(state, batch)))
 
-  monkeypatch.setattr(trainer, "all_on_device", poisoning)
+  monkeypatch.setattr(launch, "all_on_device", poisoning)
   with pytest.raises(SystemExit) as error:
     train_in_process(tmp_path / "run", "--steps=2", "--checkpoint_every=1", *ENGINES["device"])
   assert str(error.value).startswith("sljax: step 1's training state holds a non-finite value (")

@@ -10,6 +10,7 @@ import pytest
 from absl import flags
 
 import train
+from sljax import launch, metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--set=num_layers=2", "--set=hidden_size=64", "--set=intermediate_size=128", "--set=num_heads=2",
@@ -111,8 +112,8 @@ def test_bad_requests_exit_with_one_line_and_write_nothing(tmp_path, message):
 
 
 def test_a_missing_tensorboard_writer_is_refused_before_the_run(tmp_path, monkeypatch):
-  find_spec = train.metrics.importlib.util.find_spec
-  monkeypatch.setattr(train.metrics.importlib.util, "find_spec",
+  find_spec = metrics.importlib.util.find_spec
+  monkeypatch.setattr(metrics.importlib.util, "find_spec",
                       lambda name, *args: None if name == "tensorboardX" else find_spec(name, *args))
   with pytest.raises(SystemExit, match="^sljax: tensorboardX is not installed"):
     train_in_process(tmp_path / "run")
@@ -165,5 +166,5 @@ def test_each_gpu_pinned_pool_is_capped_at_its_share(monkeypatch, visible, pool_
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
   flags.FLAGS.unparse_flags()
   flags.FLAGS(["train.py", "--host_memory_gib=100"])
-  train.set_pinned_pool()
+  launch.set_pinned_pool(train.launch_config())
   assert os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == str(pool_gib)
