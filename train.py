@@ -24,8 +24,8 @@ from sljax.optim import OptimConfig
 from sljax.trainer import Diverged, RunConfig
 
 RECIPE = "the recipe's"
-LAUNCH = define(launch.LaunchConfig, rename={"overrides": "set"}, help={
-    "model": f"Model preset: {', '.join(PRESETS)}.",
+LAUNCH = define(launch.LaunchConfig, rename={"overrides": "set"}, unset={"model": launch.DEFAULT_MODEL}, help={
+    "model": f"Model preset: {', '.join(PRESETS)}",
     "host_memory_gib": "Pinned host memory this process may use, split evenly among its devices (0: "
                        f"{default_host_budget_help()})."})
 CLUSTER = define(launch.ClusterConfig)
@@ -52,15 +52,9 @@ class _OwnInfoOnly(std_logging.Filter):
     return record.levelno >= std_logging.WARNING or own
 
 
-def launch_config() -> launch.LaunchConfig:
-  if FLAGS.hf_dir and FLAGS["model"].present:
-    raise ValueError("give --model or --hf_dir (whose config.json names the model), not both")
-  return LAUNCH.build()
-
-
 def request() -> launch.Request:
   """The parsed flags as a request; ValueError on a bad value."""
-  return launch.Request(launch_config(), RUN.build(), data=DATA.given(), optim=OPTIM.given())
+  return launch.Request(LAUNCH.build(), RUN.build(), data=DATA.given(), optim=OPTIM.given())
 
 
 def configs_from_flags() -> launch.Configs:
@@ -90,7 +84,7 @@ def main(argv):
     raise SystemExit(f"sljax: unexpected arguments {' '.join(argv[1:])}")
   logging.get_absl_handler().addFilter(_OwnInfoOnly())
   try:  # before anything touches a device: every process of a multi-host run starts here
-    launch.start(launch_config(), CLUSTER.build())
+    launch.start(LAUNCH.build(), CLUSTER.build())
   except (TimeoutError, ValueError) as error:
     raise SystemExit(f"sljax: {error}") from None
   run()

@@ -26,7 +26,7 @@ class DataConfig:
 
   name: str = STDLIB  # corpus: "stdlib" (embedded) or a TFDS name: "c4/en", "openwebtext", "wikipedia/20230601.en"
   data_dir: str | None = None  # TFDS data_dir (None: TFDS's default, ~/tensorflow_datasets or $TFDS_DATA_DIR)
-  tokenizer: str | None = None  # sentencepiece .model or Hugging Face tokenizer.json; None: bytes, vocab 256
+  tokenizer: str | None = None  # a sentencepiece .model or a Hugging Face tokenizer.json; None: bytes, vocab 256
   split: str = "train"  # TFDS split, slices allowed ("train[:1%]")
   text_key: str = "text"  # TFDS feature holding the document text
   seq_len: int = 128  # tokens per sequence

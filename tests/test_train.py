@@ -166,5 +166,5 @@ def test_each_gpu_pinned_pool_is_capped_at_its_share(monkeypatch, visible, pool_
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
   flags.FLAGS.unparse_flags()
   flags.FLAGS(["train.py", "--host_memory_gib=100"])
-  launch.set_pinned_pool(train.launch_config())
+  launch.set_pinned_pool(train.LAUNCH.build())
   assert os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == str(pool_gib)
