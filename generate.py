@@ -9,8 +9,7 @@
 One prompt per line of --prompt_file (blank lines skipped); prints one JSON line per prompt, in order:
 {"prompt", "completion", "tokens": ids generated, the stop token included}. The layout (batch, sub-batches, resident
 layers, where the KV cache lives) comes from sljax.generate_plan.plan, except what the flags fix; --plan prints it and
-exits.
-Every flag is a field of sljax.launch.GenerateConfig or sljax.generate.SamplingConfig.
+exits. Every flag is a field of sljax.generate_launch.GenerateConfig or sljax.generate.SamplingConfig.
 """
 
 import json
@@ -18,12 +17,15 @@ import json
 from absl import app, logging
 
 from models.presets import PRESETS
-from sljax import launch
+from sljax import generate_launch
 from sljax.flags import define
 from sljax.generate import SamplingConfig
+from sljax.machines import default_host_budget_help
 
-REQUEST = define(launch.GenerateConfig, rename={"overrides": "set"}, unset={"model": launch.DEFAULT_MODEL},
-                 help={"model": f"Model preset: {', '.join(PRESETS)}"})
+REQUEST = define(generate_launch.GenerateConfig, rename={"overrides": "set"},
+                 unset={"model": generate_launch.DEFAULT_MODEL}, help={
+                     "model": f"Model preset: {', '.join(PRESETS)}",
+                     "host_memory_gib": f"Pinned host memory the plan may use (0: {default_host_budget_help()})."})
 # SamplingConfig's comments are not all help: these are.
 SAMPLING = define(SamplingConfig, rename={"stop_tokens": "stop_token"}, skip=("pad_token",), help={
     "max_new_tokens": "Tokens generated per prompt, at most.", "temperature": "Sampling temperature (0: greedy).",
@@ -35,13 +37,13 @@ SAMPLING = define(SamplingConfig, rename={"stop_tokens": "stop_token"}, skip=("p
 def run() -> list[dict]:
   """Checks the request, then generates; returns the printed records. Bad requests exit with one line."""
   try:
-    job = launch.prepare_generation(REQUEST.build(), SAMPLING.build())
+    job = generate_launch.prepare(REQUEST.build(), SAMPLING.build())
   except ValueError as error:
     raise SystemExit(f"sljax: {error}") from None
   if job.request.plan:
     return []
   records = []
-  for record in launch.generate(job):
+  for record in generate_launch.generate(job):
     records.append(record)
     print(json.dumps(record, ensure_ascii=False), flush=True)
   return records

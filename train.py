@@ -12,7 +12,7 @@ import dataclasses
 import logging as std_logging
 import os
 
-from absl import app, flags, logging
+from absl import app, logging
 
 from models.presets import PRESETS
 from sljax import launch
@@ -40,7 +40,6 @@ OPTIM = define(OptimConfig, unset={
     "decay_steps": "--steps",
     "moments_dtype": f"{RECIPE}, float32; on the offload engine bfloat16 where float32 does not fit, with a notice"})
 RUN = define(RunConfig)
-FLAGS = flags.FLAGS
 REPO = os.path.dirname(os.path.abspath(__file__))
 
 

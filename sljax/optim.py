@@ -21,7 +21,7 @@ class OptimConfig:
 
   The schedule warms up linearly from 0 to `learning_rate` over `warmup_steps`, then decays (`decay_shape`: a cosine
   or a straight line) down to `min_lr_ratio * learning_rate` at `decay_steps` and stays there. `decay_steps=0` keeps
-  the rate constant after warmup (train.py fills in the run's --steps instead). The defaults are llama-tiny's quick
+  the rate constant after warmup (sljax.launch fills in the run's steps instead). The defaults are llama-tiny's quick
   CPU recipe; RECIPES holds every preset's.
   """
 

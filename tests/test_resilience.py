@@ -18,7 +18,6 @@ import numpy as np
 import optax
 import pytest
 
-import train
 from sljax import launch, trainer
 from sljax.checkpoint import StateHandler, read_arrays
 from sljax.data import make_source
@@ -164,7 +163,7 @@ class BadBatches:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_bad_steps_are_skipped_never_saved_and_stop_the_run_when_in_a_row(tmp_path, monkeypatch, engine):
-  monkeypatch.setattr(train, "make_source", lambda *args: BadBatches(make_source(*args), {3, 5, 6, 7}))
+  monkeypatch.setattr(launch, "make_source", lambda *args: BadBatches(make_source(*args), {3, 5, 6, 7}))
   with pytest.raises(SystemExit) as stopped:
     train_in_process(tmp_path / "run", "--steps=10", "--checkpoint_every=1", "--keep_checkpoints=10",
                      "--stop_after_bad_steps=3", f"--loss_log={tmp_path}/losses.jsonl", *ENGINES[engine])
