@@ -71,6 +71,10 @@ class LaunchConfig:
   def __post_init__(self):
     if self.hf_dir and self.model is not None:
       raise ValueError("give --model or --hf_dir (whose config.json names the model), not both")
+    for name in ("engine", "target"):  # the flags check these; a library caller's typo must not pick a step
+      choices = typing.get_args(typing.get_type_hints(LaunchConfig)[name])
+      if getattr(self, name) not in choices:
+        raise ValueError(f"--{name} must be one of {', '.join(map(repr, choices))}, got {getattr(self, name)!r}")
     if self.target and not self.plan:
       raise ValueError(f"--target={self.target} plans for a machine this is not: use it with --plan")
     for name in ("sub_batches", "live_layers"):

@@ -7,7 +7,9 @@ from absl import flags
 
 import train
 from models.presets import PRESETS
+from sljax import launch
 from sljax.optim import RECIPES, recipe_for
+from sljax.trainer import RunConfig
 
 LLAMA2 = dict(b1=0.9, b2=0.95, eps=1e-5, weight_decay=0.1, grad_clip_norm=1.0, warmup_steps=2000,
               decay_shape="cosine", min_lr_ratio=0.1)
@@ -64,6 +66,19 @@ def test_a_short_run_shrinks_warmup_and_decay_with_one_notice(capsys):
   capsys.readouterr()
   _, _, optim, _, _ = parse("--model=llama13b", "--steps=5", "--warmup_steps=2")  # the user's warmup stands
   assert (optim.warmup_steps, optim.decay_steps) == (2, 5)
+
+
+def test_a_library_request_gets_the_decisions_and_lines_of_its_flags(capsys):
+  from_flags = parse("--model=llama13b", "--steps=5", "--b2=0.99", "--seq_len=1024")
+  printed = capsys.readouterr().out
+  request = launch.Request(launch.LaunchConfig(model="llama13b"), RunConfig(steps=5), data={"seq_len": 1024},
+                           optim={"b2": 0.99})
+  assert launch.resolve(request) == from_flags and capsys.readouterr().out == printed
+  assert "warming up over 2 (half the run)" in printed
+  with pytest.raises(ValueError, match=r"^give --model or --hf_dir \(whose config.json names the model\), not both$"):
+    launch.LaunchConfig(model="llama7b", hf_dir="Llama-2-7b-hf")
+  with pytest.raises(ValueError, match="^--engine must be one of 'auto', 'device', 'offload', got 'gpu'$"):
+    launch.LaunchConfig(engine="gpu")
 
 
 def test_a_model_without_a_preset_takes_its_familys_nearest_recipe():
