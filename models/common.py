@@ -1,6 +1,9 @@
-"""What every layer-major model shares: the three-piece interface, attention (plain and cached), the loss."""
+"""What every layer-major model shares: the contract the engine and the generator drive (`TrainingModel`,
+`GenerationModel`, checked by `check_model`), attention (plain and cached), the loss."""
 
-from typing import NamedTuple
+import dataclasses
+import inspect
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +13,113 @@ from jax import lax
 from models.config import ModelConfig
 
 Params = dict  # {"outer": embeddings/norm/head params, "layers": per-layer params stacked on a leading L axis}
+
+
+# ---- the contract ----------------------------------------------------------------------------------------------
+
+class ModelConfigLike(Protocol):
+  """What the engine reads of `model.cfg` (models.config.ModelConfig has it; any object with these fields will do)."""
+
+  num_layers: int  # L
+  dtype: Any  # compute dtype: activations, and the matmul kernels (see layer_compute_dtypes)
+  param_dtype: Any  # dtype of the master weights the optimizer updates
+
+
+@runtime_checkable
+class TrainingModel(Protocol):
+  """A decoder cut into the three pieces `sljax.Engine` and `sljax.make_plan` drive. Params are any pytrees;
+  "layers" has every leaf stacked on a leading axis of length L, so a slice [i:j] is layers i..j-1.
+
+  Optional: `compute_dtypes(stacked) -> a dtype per leaf` (default `default_compute_dtypes`), `without_remat()` (needed
+  when cfg.remat is true: the engine's group backward already recomputes each group), `cfg.flops_per_token(seq_len)`
+  (the planner's compute estimate; without it, 6 x params + attention from the params' shapes).
+  """
+
+  cfg: ModelConfigLike
+
+  def init_outer(self, key: jax.Array) -> Params:
+    """Embeddings, final norm and head: everything that is not a decoder layer."""
+
+  def init_layers(self, keys_L: jax.Array) -> Params:
+    """Params of len(keys_L) layers, layer i from keys_L[i], every leaf stacked on a leading L axis."""
+
+  def embed(self, outer: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None) -> jax.Array:
+    """h_BxSxD; positions default to 0..S-1 in every row (the generator passes them, training does not)."""
+
+  def layers(self, stacked: Params, h_BxSxD: jax.Array) -> jax.Array:
+    """Runs the layers stacked in `stacked` (any number of them) in order: h_BxSxD -> h_BxSxD in cfg.dtype."""
+
+  def head_loss(self, outer: Params, h_BxSxD: jax.Array, targets_BxS: jax.Array, weights_BxS: jax.Array
+                ) -> jax.Array:
+    """The weighted SUM over tokens of the token losses, an fp32 scalar (not a mean: the engine divides the sum over
+    all sub-batches by the total weight of the effective batch)."""
+
+
+@runtime_checkable
+class GenerationModel(TrainingModel, Protocol):
+  """What `sljax.generate.OffloadedGenerator` drives besides the training pieces; cfg also has max_positions."""
+
+  def init_cache(self, num_layers: int, batch: int, max_len: int) -> Any:
+    """An empty KV cache for num_layers layers and max_len slots, every leaf stacked on a leading axis of
+    num_layers (LayerMajorModel: (k, v), each [L, B, T, K, H])."""
+
+  def layers_cached(self, stacked: Params, h_BxSxD: jax.Array, cache: Any, offset, start_B: jax.Array
+                    ) -> tuple[jax.Array, Any]:
+    """`layers` for S new tokens written to cache slots offset..offset+S-1, attending through the cache; row b's
+    sequence starts at slot start_B[b] (left padding). Returns (h_BxSxD, the updated cache)."""
+
+  def logits(self, outer: Params, h_BxSxD: jax.Array) -> jax.Array:
+    """logits_BxSxV."""
+
+
+# Each piece with the positional arguments its callers pass: a model must accept them.
+_TRAINING = {"init_outer": 1, "init_layers": 1, "embed": 2, "layers": 2, "head_loss": 4}
+_GENERATION = {"embed": 3, "init_cache": 3, "layers_cached": 5, "logits": 2}
+
+
+def check_model(model, generation: bool = False) -> None:
+  """Raises TypeError naming what `model` lacks of TrainingModel (and, generation, of GenerationModel)."""
+  kind = "GenerationModel" if generation else "TrainingModel"
+  cfg_fields = ("num_layers", "dtype", "param_dtype") + (("max_positions",) if generation else ())
+  cfg = getattr(model, "cfg", None)
+  missing = ["model.cfg"] if cfg is None else [f"model.cfg.{f}" for f in cfg_fields if not hasattr(cfg, f)]
+  methods = dict(_TRAINING, **_GENERATION) if generation else _TRAINING
+  for name, args in methods.items():
+    method = getattr(model, name, None)
+    if not callable(method):
+      missing.append(f"model.{name}")
+    elif not _takes(method, args):
+      missing.append(f"model.{name} taking {args} positional argument{'s' * (args > 1)}")
+  if cfg is not None and getattr(cfg, "remat", False) and not callable(getattr(model, "without_remat", None)):
+    missing.append("model.without_remat (cfg.remat is true)")
+  if missing:
+    raise TypeError(f"{', '.join(missing)} missing: {type(model).__name__} is not a models.common.{kind} (see its "
+                    f"docstring for each piece's arguments and shapes)")
+
+
+def _takes(fn, args: int) -> bool:
+  try:
+    inspect.signature(fn).bind(*range(args))
+  except TypeError:
+    return False
+  except ValueError:  # no signature to read (a builtin or C callable): trust it
+    return True
+  return True
+
+
+def default_compute_dtypes(stacked: Params, dtype) -> Any:
+  """The dtype each stacked layer leaf runs in, unless the model says otherwise: matmul kernels (2 or more dims per
+  layer) in the compute dtype, as Flax's Dense and most models cast them before multiplying; vectors (norm scales,
+  biases) as stored, since a model that applies them in the compute dtype casts them itself, and one that applies
+  them in fp32 (Flax's LayerNorm) must get them unrounded."""
+  return jax.tree.map(lambda x: jnp.dtype(dtype) if x.ndim >= 3 else jnp.dtype(x.dtype), stacked)
+
+
+def layer_compute_dtypes(model, stacked: Params) -> Any:
+  """A dtype per leaf of the stacked layer params `stacked` (arrays or shapes): what the engine casts each leaf to
+  before it crosses to the device, so the layers compute exactly what the model computes on its master weights."""
+  own = getattr(model, "compute_dtypes", None)
+  return own(stacked) if own is not None else default_compute_dtypes(stacked, model.cfg.dtype)
 
 
 class InMemoryParams:
@@ -70,7 +180,7 @@ def cache_positions(offset, start_B: jax.Array, seq: int) -> jax.Array:
 
 
 class LayerMajorModel:
-  """A decoder-only LM cut into the three pieces a layer-major engine drives.
+  """A GenerationModel (the contract above) built from Flax modules.
 
   Subclasses set `block` (one decoder layer, a linen Module over [B, S, D]) and `outer` (a linen Module with
   `embed(tokens) -> h` and `logits(h) -> logits`). Params are {"outer": ..., "layers": ...}, with every leaf of
@@ -82,6 +192,9 @@ class LayerMajorModel:
 
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
+
+  def without_remat(self) -> "LayerMajorModel":
+    return type(self)(dataclasses.replace(self.cfg, remat=False))
 
   def init(self, key: jax.Array) -> Params:
     outer_key, layers_key = jax.random.split(key)
@@ -154,7 +267,15 @@ class LayerMajorModel:
     return self.logits(params["outer"], h)
 
   def loss(self, params: Params, batch: dict) -> jax.Array:
-    """Mean token cross-entropy over the batch (weights mask padding)."""
+    """The weighted mean of the token cross-entropies, sum(w x l) x (1 / sum(w)) for weights >= 0 (0 masks padding);
+    0 for a batch whose weights are all 0. A product by the reciprocal (within an ulp of the quotient), as the engine
+    computes it: each sub-batch's sum times one factor."""
     h = self.layers(params["layers"], self.embed(params["outer"], batch["inputs"]))
     total = self.head_loss(params["outer"], h, batch["targets"], batch["weights"])
-    return total / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+    return total * (1 / loss_denominator(jnp.sum(batch["weights"])))
+
+
+def loss_denominator(weight_sum):
+  """What a weighted sum of token losses is divided by: the total weight, or 1 when it is 0 (then the sum is 0).
+  Plain arithmetic, so numpy (the engine, on the host) and jax (`loss`) compute the same value."""
+  return weight_sum + (weight_sum == 0)

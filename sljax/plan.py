@@ -8,16 +8,18 @@ memory comes from XLA's compiled memory analysis of the group steps, not from a 
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from models.config import ModelConfig
+from models.common import check_model, layer_compute_dtypes
 from models.presets import build, get_config
 # Budget, default_budget and target_budget are machine facts (sljax.machines), re-exported for the planner's callers.
 from sljax.machines import (GIB, REFERENCE, Budget, Machine, default_budget, rates_of,  # noqa: F401
                             target_budget)
+from sljax.memory import tree_bytes
 from sljax.schedule import Engine, EngineConfig
 
 # A step is compute-bound "with a margin" when its predicted compute is at least this many times the copies that must
@@ -30,6 +32,55 @@ MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
 # 8.5 GiB on the H200 ("compiled step peak" in the plans of benchmarks/results/train_throughput_h200.json and
 # train_scaling*_h200x2.json, printed to 0.1 GiB). See gpu_peak_from_cpu.
 GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(8.5 * GIB)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSizes:
+  """What the planners need to know of a model, read from the shapes of its params (`model_sizes`)."""
+
+  num_layers: int
+  layer_params: int  # parameters in one decoder layer
+  outer_params: int  # embeddings, final norm, head
+  layer_master_bytes: int  # one layer's master weights (as init_layers makes them)
+  outer_master_bytes: int
+  layer_weight_bytes: int  # one layer's weights in the dtypes the engine runs them in (what crosses PCIe)
+  separate_weights: bool  # those dtypes differ from the master's somewhere: host groups keep a second copy
+  hidden: int  # D: the width of h_BxSxD between layers
+  activation_itemsize: int  # bytes per element of h_BxSxD
+  kv_bytes_per_token: int  # one layer's KV cache for one token of one row (0: the model does not generate)
+  flops_per_token: Callable[[int], float]  # training model FLOPs per token at a sequence length
+
+  def activation_bytes(self, rows: int, seq_len: int) -> int:
+    return rows * seq_len * self.hidden * self.activation_itemsize
+
+
+def model_sizes(model) -> ModelSizes:
+  """Sizes of any models.common.TrainingModel from jax.eval_shape of its init_layers / init_outer / embed / layers
+  (and init_cache, for a GenerationModel): nothing is allocated, no preset field is read. The FLOPs are the config's
+  `flops_per_token(seq_len)` where it has one, else 6 x params + causal attention (6 L S D per token)."""
+  check_model(model)
+  key = jax.random.key(0)
+  layer = jax.eval_shape(lambda: model.init_layers(jax.random.split(key, 1)))
+  outer = jax.eval_shape(model.init_outer, key)
+  dtypes = layer_compute_dtypes(model, layer)
+  weights = jax.tree.map(lambda x, dtype: jax.ShapeDtypeStruct(x.shape, dtype), layer, dtypes)
+  h = jax.eval_shape(model.layers, weights, jax.eval_shape(model.embed, outer, jax.ShapeDtypeStruct((1, 1), jnp.int32)))
+  kv_token = tree_bytes(jax.eval_shape(lambda: model.init_cache(1, 1, 1))) if hasattr(model, "init_cache") else 0
+  count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+  num_layers, layer_params, outer_params = model.cfg.num_layers, count(layer), count(outer)
+  flops = getattr(model.cfg, "flops_per_token", None) or (
+      lambda seq_len: 6 * (num_layers * layer_params + outer_params) + 6 * num_layers * seq_len * h.shape[-1])
+  return ModelSizes(
+      num_layers=num_layers, layer_params=layer_params, outer_params=outer_params,
+      layer_master_bytes=tree_bytes(layer), outer_master_bytes=tree_bytes(outer), layer_weight_bytes=tree_bytes(weights),
+      separate_weights=any(x.dtype != w.dtype for x, w in zip(jax.tree.leaves(layer), jax.tree.leaves(weights))),
+      hidden=h.shape[-1], activation_itemsize=h.dtype.itemsize, kv_bytes_per_token=kv_token, flops_per_token=flops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  device_bytes: int
+  host_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,11 +157,12 @@ def _peak_step_bytes(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> 
   if key in _PEAKS:
     return _PEAKS[key]
   engine = Engine(model, optax.sgd(0.0), cfg)
-  m = model.cfg
-  shape = lambda *s, dtype=m.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
-  weights = jax.eval_shape(lambda: engine._cast_fn(model.init_layers(jax.random.split(jax.random.key(0), cfg.live_layers))))
+  sizes = model_sizes(model)
+  shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+  weights = jax.eval_shape(lambda: engine.cast_layers(
+      model.init_layers(jax.random.split(jax.random.key(0), cfg.live_layers))))
   outer = jax.eval_shape(lambda: model.init_outer(jax.random.key(0)))
-  x = shape(sub_batch, seq_len, m.hidden_size)
+  x = shape(sub_batch, seq_len, sizes.hidden)
   tokens = shape(sub_batch, seq_len, dtype=jnp.int32)
   grads = jax.eval_shape(engine._zeros, weights)
   outer_grads = jax.eval_shape(engine._zeros, outer)
@@ -159,7 +211,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   engine will run, whose state is sized per parameter (default: AdamW with fp32 moments, 8 bytes). target: plan for
   one GPU of that machine (its rates; made on a CPU, its compiled peak corrected by gpu_peak_from_cpu) instead of for
   this process's device (whose rates are the table's, or the reference machine's when it has none)."""
-  m: ModelConfig = model.cfg
+  sizes = model_sizes(model)  # checks the model first
   if sub_batches:
     if batch_size % sub_batches:
       raise ValueError(f"batch_size {batch_size} is not divisible by {sub_batches} sub-batches")
@@ -168,14 +220,13 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
     sub_batch = max(d for d in range(1, batch_size + 1) if batch_size % d == 0 and (d * seq_len <= sub_batch_tokens
                                                                                  or d == 1))
   live = live_layers or 1
-  groups = math.ceil(m.num_layers / live)
-  compute_bytes = jnp.dtype(m.dtype).itemsize
-  master_bytes = jnp.dtype(m.param_dtype).itemsize
-  layer = m.layer_param_count()
-  opt_bytes = 8 if optimizer is None else optimizer_bytes_per_param(optimizer, m.param_dtype)
-  state_per_group = int(live * layer * (master_bytes + opt_bytes)) // fsdp  # master weights + optimizer state
-  weights_per_group = live * layer * compute_bytes  # gathered whole on every device while the group runs
-  act = sub_batch * seq_len * m.hidden_size * compute_bytes
+  groups = math.ceil(sizes.num_layers / live)
+  layer = sizes.layer_params
+  opt_bytes = 8 if optimizer is None else optimizer_bytes_per_param(optimizer, model.cfg.param_dtype)
+  # master weights + optimizer state
+  state_per_group = int(live * (sizes.layer_master_bytes + layer * opt_bytes)) // fsdp
+  weights_per_group = live * sizes.layer_weight_bytes  # gathered whole on every device while the group runs
+  act = sizes.activation_bytes(sub_batch, seq_len)
   stash = (groups - 1) * (batch_size // sub_batch) * act  # every group's input but the last group's
 
   cfg = EngineConfig(sub_batches=batch_size // sub_batch, live_layers=live, grad_clip_norm=grad_clip_norm)
@@ -187,8 +238,9 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   fixed_device = {
       # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
       # per step) and the per-device gradient accumulator.
-      "embeddings+head (params, moments, grads)": int(m.outer_param_count() * (
-          (master_bytes + opt_bytes + 4) / fsdp + (master_bytes + 4 if fsdp > 1 else 0))),
+      "embeddings+head (params, moments, grads)": int(
+          (sizes.outer_master_bytes + sizes.outer_params * (opt_bytes + 4)) / fsdp
+          + (sizes.outer_master_bytes + sizes.outer_params * 4 if fsdp > 1 else 0)),
       "group weights (2 in flight)": 2 * weights_per_group + (weights_per_group // fsdp if fsdp > 1 else 0),
       # In backward one group's gradients accumulate (whole, on every device) while the next group's wait, reduced to
       # this device's shard, for its deferred update.
@@ -215,7 +267,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   host_groups = groups - device_groups
   device_bytes = dict(fixed_device, **{"resident group state": device_groups * state_per_group,
                                        "activation stash": 0 if on_host else stash})
-  host_weights = host_groups * weights_per_group // fsdp if compute_bytes != master_bytes else 0
+  host_weights = host_groups * weights_per_group // fsdp if sizes.separate_weights else 0
   host_bytes = {"group weights": host_weights, "group state": host_groups * state_per_group,
                 "activation stash": stash if on_host else 0}
   if parked:
@@ -235,12 +287,12 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   # A host group's weights cross twice (forward, backward) but the last group's once (it runs both in one pass);
   # the updated copy goes back once. Each group's input but the last's is stashed and fetched back once per step
   # (one hidden state per row: a level). The token batch (a few bytes per token) is left out.
-  level = batch_size * seq_len * m.hidden_size * compute_bytes if on_host else 0
+  level = sizes.activation_bytes(batch_size, seq_len) if on_host else 0
   crossings = 2 * host_groups - (1 if host_groups == groups else 0)
   h2d = crossings * shard + host_groups * (state_per_group + parked) + (groups - 1) * level
   d2h = host_groups * (shard + state_per_group + parked) + (groups - 1) * level
   tokens = batch_size * seq_len
-  flops = tokens * m.flops_per_token(seq_len) * 4 / 3  # backward recomputes each group's forward
+  flops = tokens * sizes.flops_per_token(seq_len) * 4 / 3  # backward recomputes each group's forward
   return Plan(
       engine=dataclasses.replace(cfg, activations_on_host=on_host, device_state_groups=device_groups), fsdp=fsdp,
       sub_batch_size=sub_batch, device_bytes=device_bytes, host_bytes=host_bytes, host_to_device_bytes=h2d,

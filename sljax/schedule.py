@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from models.common import params_reader
+from models.common import check_model, layer_compute_dtypes, loss_denominator, params_reader
 from sljax.memory import DEVICE, HOST, Placement, prefetch
 from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 
@@ -81,14 +81,21 @@ def _clip(grads, norm, max_norm):
 
 
 class Engine:
-  """Trains `model` (a models.common.LayerMajorModel) with `optimizer` layer-major.
+  """Trains `model` (any models.common.TrainingModel) with `optimizer` layer-major.
 
   `optimizer` is applied group by group, so it must treat each parameter independently (AdamW, SGD, Lion, ...);
   global-norm clipping is the engine's own `grad_clip_norm`, computed exactly over all groups.
+
+  Each layer leaf runs in the dtype the model gives it (`models.common.layer_compute_dtypes`: by default matmul
+  kernels in cfg.dtype, vectors as stored), so a step computes what the model computes on its master weights. A model
+  with cfg.remat runs without it (`without_remat()`): each group's backward already recomputes the group's forward.
   """
 
   def __init__(self, model, optimizer: optax.GradientTransformation, cfg: EngineConfig,
                placement: Placement | None = None):
+    check_model(model)
+    if getattr(model.cfg, "remat", False):
+      model = model.without_remat()  # per-layer remat inside a recomputed group would recompute twice
     num_layers = model.cfg.num_layers
     if cfg.sub_batches < 1 or cfg.live_layers < 1:
       raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
@@ -97,8 +104,12 @@ class Engine:
     self._retired = collections.deque()  # lists of replaced host buffers, oldest first (see _retire)
     self.groups = [(a, min(a + cfg.live_layers, num_layers)) for a in range(0, num_layers, cfg.live_layers)]
     self.state_on_device = [g >= len(self.groups) - cfg.device_state_groups for g in range(len(self.groups))]
-    self.compute_dtype = jnp.dtype(model.cfg.dtype)
-    self.separate_weights = jnp.dtype(model.cfg.param_dtype) != self.compute_dtype
+    self.compute_dtype = jnp.dtype(model.cfg.dtype)  # of the activations
+    layer_shapes = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))
+    self.layer_dtypes = layer_compute_dtypes(model, layer_shapes)  # what each leaf of a group runs in
+    # A host group keeps a copy in those dtypes, the one that crosses PCIe, when any leaf's differs from its master's.
+    self.separate_weights = any(jax.tree.leaves(jax.tree.map(lambda x, d: x.dtype != d, layer_shapes,
+                                                             self.layer_dtypes)))
 
     # Per-sub-batch calls see the whole weights and this device's rows; outputs are rows or per-device slots.
     local, whole, rows = self._local, REPLICATED, PER_DEVICE
@@ -117,9 +128,8 @@ class Engine:
     self._zeros = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.zeros((devices, *x.shape), jnp.float32), tree),
                           out_shardings=self.place.device(PER_DEVICE))
     self._sq_norm = jax.jit(lambda tree: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
-    self._cast = jax.jit(self._cast_fn)
+    self._cast = jax.jit(self.cast_layers)
     # State is created in its final layout: no process ever holds more than its own devices' parts.
-    layer_shapes = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))
     sharded = lambda tree: self.place.shardings(tree, DEVICE, self.place.state_spec)
     self._init_layers = jax.jit(model.init_layers, out_shardings=sharded(layer_shapes))
     self._init_opt = jax.jit(optimizer.init, out_shardings=sharded(jax.eval_shape(optimizer.init, layer_shapes)))
@@ -160,8 +170,9 @@ class Engine:
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     return keep(optax.apply_updates(master, updates), master), keep(new_opt_state, opt_state)
 
-  def _cast_fn(self, tree):
-    return jax.tree.map(lambda x: x.astype(self.compute_dtype), tree)
+  def cast_layers(self, stacked):
+    """Stacked layer params (a group's master weights) in the dtypes the layers run in."""
+    return jax.tree.map(lambda x, dtype: x.astype(dtype), stacked, self.layer_dtypes)
 
   # ---- state ---------------------------------------------------------------------------------------------------
 
@@ -181,9 +192,11 @@ class Engine:
 
   def _fetch_weights(self, group: dict):
     """Group weights, whole on every device: this device's shard crosses PCIe, then one all-gather over fsdp (of the
-    compute-dtype cast, for a group that keeps no separate compute copy)."""
+    cast to the layers' dtypes, for a group that keeps no separate compute copy)."""
     shards = self.place.to_device(group.get("weights", group["master"]))
-    return self.place.gather(shards, self.compute_dtype)
+    if self.separate_weights and "weights" not in group:
+      shards = self._cast(shards)
+    return self.place.gather(shards)
 
   def init(self, key: jax.Array) -> dict:
     """Random init, one group at a time on the device, so the whole model never has to fit there.
@@ -225,10 +238,12 @@ class Engine:
             "outer_opt": self._init_outer_opt(outer), "groups": groups}
 
   def params(self, state: dict) -> dict:
-    """Full-model params, whole on every device (for tests and export; needs the whole model to fit there)."""
+    """Full-model params, whole on every device (for tests and export; needs the whole model to fit there). New
+    arrays the caller owns: a later `step(state, ...)`, which consumes `state`, leaves them alone."""
     layers = [self.place.gather(self.place.to_device(group["master"])) for group in state["groups"]]
-    return {"outer": self.place.gather(state["outer"]),
-            "layers": jax.tree.map(lambda *xs: jnp.concatenate(xs), *layers)}
+    params = {"outer": self.place.gather(state["outer"]),
+              "layers": jax.tree.map(lambda *xs: jnp.concatenate(xs), *layers)}
+    return jax.tree.map(jnp.copy, params)  # gather and concatenate return their input when there is nothing to do
 
   # ---- transfers -----------------------------------------------------------------------------------------------
 
@@ -247,13 +262,19 @@ class Engine:
   # ---- the step ------------------------------------------------------------------------------------------------
 
   def step(self, state: dict, batch: dict) -> tuple[dict, jax.Array]:
-    """One optimizer step on `batch` ({"inputs", "targets", "weights"}: [B, S] numpy arrays, B = N x b)."""
+    """One optimizer step on `batch` ({"inputs", "targets", "weights"}: [B, S] numpy arrays, B = N x b; weights
+    >= 0). Returns (the new state, the loss: sum(weights x token losses) / sum(weights) over the whole batch, 0 when
+    every weight is 0, NaN when the step was skipped).
+
+    Consumes `state`: its device arrays are donated and its host buffers freed, so only the returned state may be
+    used afterwards (take `params(state)` before stepping to keep a copy)."""
     n = self.cfg.sub_batches
     check_batch(batch["inputs"].shape[0], n, self.place.mesh)
     tokens, targets, loss_weights = (  # each sub-batch's rows split over every device
         [self.place.to_device(part, PER_DEVICE) for part in np.split(np.asarray(batch[key]), n)]
         for key in ("inputs", "targets", "weights"))
-    inv_total = np.float32(1.0 / max(float(np.sum(batch["weights"])), 1.0))  # loss = mean over the whole batch
+    # Each sub-batch's weighted sum times 1 / the whole batch's weight, as models.common.LayerMajorModel.loss does.
+    inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
 
     outer, groups = self.place.gather(state["outer"]), state["groups"]  # embeddings + head, whole on every device
     last = len(groups) - 1
