@@ -4,6 +4,9 @@
   state = engine.init(jax.random.key(0))
   state, loss = engine.step(state, batch)  # batch: {"inputs", "targets", "weights"} [B, S] numpy arrays
 
+The model is anything of the contract in models.common (TrainingModel; GenerationModel for sljax.generate);
+examples/own_model.py writes one in plain jax.numpy. A step consumes its input state.
+
 The names below are imported on first use, so that importing one module (sljax.generate, say) loads only what it
 needs: inference never loads the training engine.
 """
@@ -11,7 +14,8 @@ needs: inference never loads the training engine.
 import importlib
 
 _HOMES = {"Budget": "sljax.machines", "Engine": "sljax.schedule", "EngineConfig": "sljax.schedule",
-          "Placement": "sljax.memory", "make_plan": "sljax.plan"}
+          "Placement": "sljax.memory", "default_budget": "sljax.machines", "make_plan": "sljax.plan",
+          "model_sizes": "sljax.sizes"}
 __all__ = sorted(_HOMES)
 
 

@@ -8,19 +8,17 @@ memory comes from XLA's compiled memory analysis of the group steps, not from a 
 
 import dataclasses
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from models.common import check_model, layer_compute_dtypes
 from models.presets import build, get_config
 # Budget, default_budget and target_budget are machine facts (sljax.machines), re-exported for the planner's callers.
 from sljax.machines import (GIB, REFERENCE, Budget, Machine, default_budget, rates_of,  # noqa: F401
                             target_budget)
-from sljax.memory import tree_bytes
 from sljax.schedule import Engine, EngineConfig
+from sljax.sizes import model_sizes
 
 # A step is compute-bound "with a margin" when its predicted compute is at least this many times the copies that must
 # hide behind it plus the copies that cannot: on the H200 only 64% of the copy time hid behind compute in the traced
@@ -32,55 +30,6 @@ MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
 # 8.5 GiB on the H200 ("compiled step peak" in the plans of benchmarks/results/train_throughput_h200.json and
 # train_scaling*_h200x2.json, printed to 0.1 GiB). See gpu_peak_from_cpu.
 GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(8.5 * GIB)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSizes:
-  """What the planners need to know of a model, read from the shapes of its params (`model_sizes`)."""
-
-  num_layers: int
-  layer_params: int  # parameters in one decoder layer
-  outer_params: int  # embeddings, final norm, head
-  layer_master_bytes: int  # one layer's master weights (as init_layers makes them)
-  outer_master_bytes: int
-  layer_weight_bytes: int  # one layer's weights in the dtypes the engine runs them in (what crosses PCIe)
-  separate_weights: bool  # those dtypes differ from the master's somewhere: host groups keep a second copy
-  hidden: int  # D: the width of h_BxSxD between layers
-  activation_itemsize: int  # bytes per element of h_BxSxD
-  kv_bytes_per_token: int  # one layer's KV cache for one token of one row (0: the model does not generate)
-  flops_per_token: Callable[[int], float]  # training model FLOPs per token at a sequence length
-
-  def activation_bytes(self, rows: int, seq_len: int) -> int:
-    return rows * seq_len * self.hidden * self.activation_itemsize
-
-
-def model_sizes(model) -> ModelSizes:
-  """Sizes of any models.common.TrainingModel from jax.eval_shape of its init_layers / init_outer / embed / layers
-  (and init_cache, for a GenerationModel): nothing is allocated, no preset field is read. The FLOPs are the config's
-  `flops_per_token(seq_len)` where it has one, else 6 x params + causal attention (6 L S D per token)."""
-  check_model(model)
-  key = jax.random.key(0)
-  layer = jax.eval_shape(lambda: model.init_layers(jax.random.split(key, 1)))
-  outer = jax.eval_shape(model.init_outer, key)
-  dtypes = layer_compute_dtypes(model, layer)
-  weights = jax.tree.map(lambda x, dtype: jax.ShapeDtypeStruct(x.shape, dtype), layer, dtypes)
-  h = jax.eval_shape(model.layers, weights, jax.eval_shape(model.embed, outer, jax.ShapeDtypeStruct((1, 1), jnp.int32)))
-  kv_token = tree_bytes(jax.eval_shape(lambda: model.init_cache(1, 1, 1))) if hasattr(model, "init_cache") else 0
-  count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
-  num_layers, layer_params, outer_params = model.cfg.num_layers, count(layer), count(outer)
-  flops = getattr(model.cfg, "flops_per_token", None) or (
-      lambda seq_len: 6 * (num_layers * layer_params + outer_params) + 6 * num_layers * seq_len * h.shape[-1])
-  return ModelSizes(
-      num_layers=num_layers, layer_params=layer_params, outer_params=outer_params,
-      layer_master_bytes=tree_bytes(layer), outer_master_bytes=tree_bytes(outer), layer_weight_bytes=tree_bytes(weights),
-      separate_weights=any(x.dtype != w.dtype for x, w in zip(jax.tree.leaves(layer), jax.tree.leaves(weights))),
-      hidden=h.shape[-1], activation_itemsize=h.dtype.itemsize, kv_bytes_per_token=kv_token, flops_per_token=flops)
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-  device_bytes: int
-  host_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
