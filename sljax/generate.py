@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.common import cache_positions, params_reader
+from models.common import cache_positions, check_model, params_reader
 from sljax.memory import Placement, prefetch
 from sljax.quant import WEIGHT_BITS, QuantConfig, dequantize_layers, quantize_layers
 
@@ -227,13 +227,14 @@ def layer_groups(num_layers: int, resident_layers: int, live_layers: int) -> tup
 
 
 class OffloadedGenerator:
-  """Generates with `model` (a models.common.LayerMajorModel) layer-major, as the module docstring describes.
+  """Generates with `model` (any models.common.GenerationModel) layer-major, as the module docstring describes.
 
   Weights are kept in the model's compute dtype: `load` or `init` lays them out as {"outer": on the device,
   "groups": [group g's stacked layers, on the device if resident, else in pinned host memory]}.
   """
 
   def __init__(self, model, offload: OffloadConfig, placement: Placement | None = None):
+    check_model(model, generation=True)
     num_layers = model.cfg.num_layers
     if offload.resident_layers > num_layers:
       raise ValueError(f"resident_layers {offload.resident_layers} exceeds the model's {num_layers} layers")

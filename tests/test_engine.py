@@ -1,5 +1,7 @@
 """The engine's step must equal a plain full-batch jax.grad + optax step, for any model, split and placement."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,31 +30,51 @@ def make_batch(rng, rows, seq):
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
 
 
+@functools.cache
+def _reference_step(model, tx):
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(model.loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return loss, optax.apply_updates(params, updates), opt_state
+  return jax.jit(step)
+
+
+@functools.cache
+def _clipped(optimizer, clip):
+  return optax.chain(optax.clip_by_global_norm(clip), optimizer) if clip else optimizer
+
+
 def reference_steps(model, optimizer, clip, params, batches):
   """Plain full-batch training: jax.grad over the whole model, then optax."""
-  tx = optax.chain(optax.clip_by_global_norm(clip), optimizer) if clip else optimizer
+  tx = _clipped(optimizer, clip)
   opt_state = tx.init(params)
   losses = []
   for batch in batches:
-    loss, grads = jax.value_and_grad(model.loss)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    loss, params, opt_state = _reference_step(model, tx)(params, opt_state, batch)
     losses.append(float(loss))
   return losses, params
 
 
+# The shapes the fidelity tests draw from: a model shape with a sub-batch count and a group size, few of them, so
+# that every example after a shape's first reuses its compiled calls (in the persistent compilation cache of
+# conftest.py: a new engine of known shapes takes seconds, one of new shapes a minute on CI's 2 cores). Between
+# them: both families, grouped-query attention, OPT's post-LayerNorm with narrower embeddings (opt-350m's shape),
+# 1, 2 and 4 sub-batches, one layer per group, a smaller last group (3 + 1) and one group for all four layers.
+# What varies freely is what compiles nothing new: values, placements, clipping, optimizer, remat (the reference's).
+MODEL_SHAPES = {
+    "llama-gqa": dict(family="llama", num_heads=4, num_kv_heads=1, hidden_size=32, intermediate_size=40),
+    "opt-pre": dict(family="opt", num_heads=2, hidden_size=16, intermediate_size=40),
+    "opt-350m-shape": dict(family="opt", num_heads=4, hidden_size=32, intermediate_size=24, layer_norm_before=False,
+                           word_embed_proj_dim=16),
+}
+SCHEDULE_SHAPES = [("llama-gqa", 4, 3), ("opt-350m-shape", 2, 1), ("opt-pre", 1, 4)]  # model, sub-batches, live
+
+
 @st.composite
 def engine_cases(draw):
-  num_layers = draw(st.integers(2, 5))
-  family = draw(st.sampled_from(["llama", "opt"]))
-  heads = draw(st.sampled_from([2, 4]))
-  overrides = dict(
-      family=family, num_layers=num_layers, hidden_size=8 * heads, intermediate_size=draw(st.sampled_from([24, 40])),
-      num_heads=heads, num_kv_heads=draw(st.sampled_from([1, heads])), remat=draw(st.booleans()))
-  if family == "opt" and draw(st.booleans()):  # opt-350m's shape: post-LayerNorm, narrower embeddings
-    overrides.update(layer_norm_before=False, word_embed_proj_dim=4 * heads)
-  sub_batches = draw(st.sampled_from([1, 2, 4]))
-  live_layers = draw(st.integers(1, num_layers))  # includes sizes that leave a smaller last group
+  num_layers = 4
+  shape, sub_batches, live_layers = draw(st.sampled_from(SCHEDULE_SHAPES))
+  overrides = dict(MODEL_SHAPES[shape], num_layers=num_layers, remat=draw(st.booleans()))
   groups = -(-num_layers // live_layers)
   engine = EngineConfig(
       sub_batches=sub_batches, live_layers=live_layers,
@@ -62,16 +84,32 @@ def engine_cases(draw):
   return overrides, engine, optimizer, draw(st.integers(0, 2**16))
 
 
+# Examples of one shape share one model, optimizer and engine object, so their jitted calls are traced once.
+@functools.cache
+def _optimizer(name):
+  return optax.sgd(1.0) if name == "sgd" else optax.adamw(1e-3, weight_decay=0.1)
+
+
+@functools.cache
+def _model(overrides: tuple, dtype: str):
+  return build(get_config("llama-tiny", dict(overrides, dtype=dtype)))
+
+
+@functools.cache
+def _engine(model, engine_cfg: EngineConfig, optimizer_name: str):
+  return Engine(model, _optimizer(optimizer_name), engine_cfg)
+
+
 def check_against_reference(overrides, engine_cfg, optimizer_name, seed, dtype, tolerance, steps):
-  model = build(get_config("llama-tiny", dict(overrides, dtype=dtype)))
+  model = _model(tuple(sorted(overrides.items())), dtype)
   # sgd with learning rate 1 makes the update exactly -gradient: the gradient is compared directly.
-  optimizer = optax.sgd(1.0) if optimizer_name == "sgd" else optax.adamw(1e-3, weight_decay=0.1)
+  optimizer = _optimizer(optimizer_name)
   rng = np.random.default_rng(seed)
   params = model.init(jax.random.key(seed))
   batches = [make_batch(rng, 8, 8) for _ in range(steps)]
   want_losses, want_params = reference_steps(model, optimizer, engine_cfg.grad_clip_norm, params, batches)
 
-  engine = Engine(model, optimizer, engine_cfg)
+  engine = _engine(model, engine_cfg, optimizer_name)
   state = engine.from_params(params)
   got_losses = []
   for batch in batches:
@@ -101,6 +139,35 @@ def test_engine_step_equals_full_batch_step_bf16(case):
   check_against_reference(overrides, engine_cfg, optimizer_name, seed, "bfloat16", 1e-2, steps=1)
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_one_sub_batch_one_group_is_the_models_own_bf16_step_bit_for_bit(family):
+  """bf16 compute, fp32 params: the engine runs each leaf as the model does (OPT's LayerNorm applies its fp32 scale
+  and bias unrounded), so with nothing split its step is the model's own jax.value_and_grad step, bit for bit; split
+  into sub-batches and groups, within 1e-2. SGD with learning rate 1: the params are params - gradient."""
+  model = build(get_config("llama-tiny", dict(family=family, num_layers=2, hidden_size=32, intermediate_size=48,
+                                             num_heads=2, num_kv_heads=2, dtype="bfloat16")))
+  params, batch = model.init(jax.random.key(0)), make_batch(np.random.default_rng(1), 4, 8)
+  (want_loss,), want = reference_steps(model, optax.sgd(1.0), 0.0, params, [batch])
+  for split, tolerance in ((dict(sub_batches=1, live_layers=2), 0.0), (dict(sub_batches=2, live_layers=1), 1e-2)):
+    engine = Engine(model, optax.sgd(1.0), EngineConfig(**split))
+    state, loss = engine.step(engine.from_params(params), batch)
+    got = engine.params(state)
+    grads = lambda new: jax.tree.map(lambda a, b: a - b, params, new)
+    if tolerance == 0:
+      assert float(loss) == want_loss
+      jax.tree.map(np.testing.assert_array_equal, got, want)
+    else:
+      assert abs(float(loss) - want_loss) <= tolerance * abs(want_loss)
+      assert rel_error(grads(got), grads(want)) <= tolerance
+
+
+def test_the_engine_runs_vectors_as_stored_and_kernels_in_the_compute_dtype():
+  model, engine = tiny_engine()
+  assert not engine.model.cfg.remat and model.cfg.remat  # the group backward recomputes; remat would do it twice
+  dtypes = {jax.tree_util.keystr(path): dtype for path, dtype in jax.tree.leaves_with_path(engine.layer_dtypes)}
+  assert dtypes["['q_proj']['kernel']"] == jnp.bfloat16 and dtypes["['input_layernorm']['weight']"] == jnp.float32
+
+
 def tiny_engine(**engine_overrides):
   model = build(get_config("llama-tiny", dict(num_layers=3, hidden_size=32, intermediate_size=48, num_heads=2,
                                              dtype="bfloat16")))
@@ -114,8 +181,10 @@ def test_state_lives_in_pinned_host_memory_unless_kept_on_device():
   assert kinds[0] == kinds[1] == {HOST}
   assert "weights" not in state["groups"][2]  # a device group casts its master on the device instead
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state["groups"][2]["master"])} == {"device"}
-  # bf16 compute: the copy that crosses to the device each step is bf16, the master fp32.
-  assert {x.dtype for x in jax.tree.leaves(state["groups"][0]["weights"])} == {jnp.dtype(jnp.bfloat16)}
+  # bf16 compute: the copy that crosses to the device each step has bf16 kernels (norm weights as stored), the
+  # master is fp32.
+  copy = {x.ndim: x.dtype for x in jax.tree.leaves(state["groups"][0]["weights"])}
+  assert copy == {3: jnp.dtype(jnp.bfloat16), 2: jnp.dtype(jnp.float32)}
   assert {x.dtype for x in jax.tree.leaves(state["groups"][0]["master"])} == {jnp.dtype(jnp.float32)}
 
 

@@ -98,11 +98,19 @@ class _NoHead:
   init_outer, init_layers, embed, layers = GPT.init_outer, GPT.init_layers, GPT.embed, GPT.layers
 
 
+class _Trains(_NoHead):  # trains, but cannot generate
+  cfg = type("TrainingConfig", (), {"num_layers": 2, "dtype": "float32", "param_dtype": "float32"})()
+  head_loss = GPT.head_loss
+
+
 def test_a_model_short_of_the_contract_is_one_error_naming_what_it_lacks():
   with pytest.raises(TypeError, match=r"^model\.head_loss missing: _NoHead is not a models\.common\.TrainingModel"):
     sljax.Engine(_NoHead(), optax.sgd(1.0), sljax.EngineConfig())
   with pytest.raises(TypeError, match=r"^model\.head_loss missing"):
     sljax.make_plan(_NoHead(), 8, 4, HUGE)
+  with pytest.raises(TypeError, match=r"^model\.cfg\.max_positions, model\.init_cache, model\.layers_cached, "
+                                      r"model\.logits missing: .* not a models\.common\.GenerationModel"):
+    OffloadedGenerator(_Trains(), OffloadConfig())
   no_layers = type("NoLayers", (), {"cfg": GPTConfig(), "embed": lambda self, tokens: tokens})
   with pytest.raises(TypeError, match=r"^model\.init_outer, model\.init_layers, model\.embed taking 2 positional "
                                       r"arguments, model\.layers, model\.head_loss missing"):

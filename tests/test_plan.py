@@ -39,12 +39,14 @@ def budget_keeping(model, seq, rows, fsdp, device_groups, sub_batches=0, clip=0.
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layers=st.integers(2, 4), hidden=st.sampled_from([16, 32]), fsdp=st.sampled_from([1, 2]),
-       sub_batches=st.sampled_from([1, 2]), keep=st.integers(0, 3), clip=st.sampled_from([0.0, 1.0]),
-       moments=st.sampled_from(["float32", "bfloat16"]))
-def test_planned_bytes_per_step_are_what_the_engine_moves(layers, hidden, fsdp, sub_batches, keep, clip, moments):
+@given(layers=st.integers(2, 4), fsdp=st.sampled_from([1, 2]), sub_batches=st.sampled_from([1, 2]),
+       keep=st.integers(0, 3), clip=st.sampled_from([0.0, 1.0]), moments=st.sampled_from(["float32", "bfloat16"]))
+def test_planned_bytes_per_step_are_what_the_engine_moves(layers, fsdp, sub_batches, keep, clip, moments):
+  """One width for every example: the plan runs one layer per group, so its compiled calls (the plan's and the
+  engine's) depend on the width, the sub-batch and the mesh, not on the layer count; a second width would only
+  compile everything again (the byte counts are per leaf either way)."""
   seq, rows = 8, 2 * sub_batches  # rows: one device's share
-  model = tiny_model(layers, hidden)
+  model = tiny_model(layers, 16)
   optimizer = optax.adamw(1e-3, mu_dtype=moments)
   budget, groups = budget_keeping(model, seq, rows, fsdp, min(keep, layers - 1), sub_batches, clip, optimizer)
   plan = make_plan(model, seq, rows, budget, sub_batches=sub_batches, fsdp=fsdp, grad_clip_norm=clip,
@@ -110,7 +112,7 @@ def test_clipping_parks_each_groups_gradient_where_its_state_lives():
   budget, groups = budget_keeping(model, 8, 4, 1, 2)  # room for 2 groups' state without clipping
   plain, clipped = make_plan(model, 8, 4, budget), make_plan(model, 8, 4, budget, grad_clip_norm=1.0)
   assert plain.engine.device_state_groups == 2 and clipped.engine.device_state_groups == 1  # state + grads: 16/12
-  parked = model.cfg.layer_param_count() * 4  # one group's fp32 gradient
+  parked = planner.model_sizes(model).layer_params * 4  # one group's fp32 gradient
   assert clipped.device_bytes["parked grads (clipping)"] == parked
   assert clipped.host_bytes["parked grads (clipping)"] == (groups - 1) * parked
   assert sum(clipped.device_bytes.values()) <= budget.device_bytes
