@@ -383,7 +383,7 @@ class Engine:
     """The step's jitted calls and transfers, for schedules that order them differently (the benchmarks' baselines)
     and for sizing them (compiled memory analysis)."""
     return Calls(embed=self._embed, forward=self._forward, last_group=self._last_group, backward=self._backward,
-                 embed_backward=self._embed_backward, zeros=self._zeros, cast=self._cast_fn,
+                 embed_backward=self._embed_backward, zeros=self._zeros, cast=self.cast_layers,
                  fetch_weights=self._fetch_weights, update=self._update, apply=self._apply)
 
 
@@ -397,8 +397,8 @@ class Calls(NamedTuple):
   backward: Callable  # (weights, x, dy, grads) -> (dx, grads): recomputes the group's forward; donates x, grads
   embed_backward: Callable  # (outer, tokens, dx, outer_grads) -> outer_grads; donates outer_grads
   zeros: Callable  # tree -> fp32 gradient accumulators, one slot per device (reduce with Placement.reduce)
-  cast: Callable  # tree -> the same in the compute dtype (not jitted: for jax.eval_shape)
-  fetch_weights: Callable  # group state -> its weights in the compute dtype, whole on every device
+  cast: Callable  # stacked layer params -> the same in the dtypes the layers run in (not jitted: for eval_shape)
+  fetch_weights: Callable  # group state -> its weights in the dtypes they run in, whole on every device
   update: Callable  # (master, opt_state, grads, norm, ok) -> (master, opt_state); donates master and opt_state
   apply: Callable  # (g, (master, opt_state) on the device, reduced grads, norm, ok) -> group g's new state
 
