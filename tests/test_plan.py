@@ -168,3 +168,17 @@ def test_a_target_gpu_is_planned_with_its_own_memory_and_rates():
   assert target_budget(h200) == Budget(int(135.6 * GIB), 96 * GIB)  # 3/4 of the 128 GiB assumed
   assert target_budget(h200, sharing=2).host_bytes == 48 * GIB
   assert MACHINES["a100-80gb"].peak_flops < MACHINES["h100-80gb"].peak_flops == h200.peak_flops
+
+
+@pytest.mark.parametrize("name", ["llama13b", "opt-350m"])
+def test_sizes_are_read_from_the_params_shapes(name):
+  """Any model of the contract plans: the sizes come from jax.eval_shape of its params, and for the presets they are
+  the config's counts. bf16 compute keeps vectors (norms, biases) in fp32, a few KiB per layer more to hold."""
+  cfg = get_config(name)
+  sizes = planner.model_sizes(build(cfg))
+  assert (sizes.layer_params, sizes.outer_params, sizes.hidden) == (
+      cfg.layer_param_count(), cfg.outer_param_count(), cfg.hidden_size)
+  assert sizes.kv_bytes_per_token == 2 * cfg.kv_heads * cfg.head_dim * 2  # k and v in bf16
+  assert sizes.layer_master_bytes == 4 * sizes.layer_params and sizes.separate_weights
+  extra = sizes.layer_weight_bytes - 2 * sizes.layer_params  # vectors at 4 bytes instead of 2
+  assert 0 < extra <= 1e-3 * 2 * sizes.layer_params
