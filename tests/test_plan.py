@@ -155,7 +155,7 @@ def test_the_plan_chooses_the_smallest_compute_bound_batch(monkeypatch):
   # compute-bound one (a tiny model on a real GPU would be copy-bound at any batch).
   slow = dataclasses.replace(REFERENCE, copy_bytes_per_s=REFERENCE.copy_bytes_per_s * one_row.transfer_seconds
                              / (10 * one_row.compute_seconds))
-  monkeypatch.setattr(planner, "REFERENCE", slow)
+  monkeypatch.setattr(planner, "rates_of", lambda device_kind: slow)  # this device's rates
   plan, why = plan_batch(model, 8, budget, **one_row_sub_batches)
   assert plan.compute_bound and 1 < plan.rows <= 64
   assert plan.compute_seconds >= planner.COMPUTE_MARGIN * (plan.transfer_seconds + plan.exposed_seconds)
@@ -181,4 +181,4 @@ def test_sizes_are_read_from_the_params_shapes(name):
   assert sizes.kv_bytes_per_token == 2 * cfg.kv_heads * cfg.head_dim * 2  # k and v in bf16
   assert sizes.layer_master_bytes == 4 * sizes.layer_params and sizes.separate_weights
   extra = sizes.layer_weight_bytes - 2 * sizes.layer_params  # vectors at 4 bytes instead of 2
-  assert 0 < extra <= 1e-3 * 2 * sizes.layer_params
+  assert 0 < extra <= 2e-3 * 2 * sizes.layer_params  # tens of KiB per layer
