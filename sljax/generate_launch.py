@@ -46,6 +46,8 @@ class GenerateConfig:
   live_layers: int = OffloadConfig.live_layers  # layers per group: weights fetched to the device together
   resident_layers: int = -1  # last layers kept on the device (-1: as many as the plan fits)
   kv_on_host: bool | None = None  # KV cache in pinned host memory (default: the plan chooses)
+  streamed_bits: int = 16  # streamed layers' matmul kernels: 16 (the compute dtype, exact), or int8 / int4 codes
+  resident_bits: int = 16  # the same for the layers kept on the device
   # device memory the plan may use (0: the allocator's limit less 3% and 1 GiB; on CPU, 45% of RAM less those)
   device_memory_gib: float = 0
   # pinned host memory the plan may use (0: the default host budget, sljax.machines.default_budget)
@@ -131,7 +133,8 @@ def make_plan(request: GenerateConfig, cfg: ModelConfig, prompt_len: int, new_to
       cfg, prompt_len, new_tokens, int(request.device_memory_gib * GIB) or device,
       int(request.host_memory_gib * GIB) or host, batch=request.batch or None, sub_batches=request.sub_batches or None,
       live_layers=request.live_layers, resident_layers=None if request.resident_layers < 0 else request.resident_layers,
-      kv_on_host=request.kv_on_host, max_batch=prompts or 1024)
+      kv_on_host=request.kv_on_host, max_batch=prompts or 1024, streamed_bits=request.streamed_bits,
+      resident_bits=request.resident_bits)
 
 
 def open_weights(request: GenerateConfig, cfg: ModelConfig):

@@ -8,8 +8,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+import functools
+
 from models.config import ModelConfig
+from models.presets import build
 from sljax.generate import IN_FLIGHT, OffloadConfig, layer_groups
+from sljax.quant import QuantConfig, quantize_layers
 from sljax.machines import GIB, REFERENCE, Machine, default_budget
 
 
@@ -19,9 +23,29 @@ def _sizes(cfg: ModelConfig) -> tuple[int, int, int]:
   return (cfg.layer_param_count() * item, cfg.outer_param_count() * item, 2 * cfg.kv_heads * cfg.head_dim * item)
 
 
+@functools.cache
+def stored_layer_bytes(cfg: ModelConfig, bits: int, group_size: int) -> int:
+  """Bytes of one layer as the generator keeps it: in the compute dtype (16), or with int8 / int4 kernels and their
+  scales (sljax.quant), from the shapes of the model's own params."""
+  if bits == 16:
+    return _sizes(cfg)[0]
+  model = build(cfg)
+  layer = jax.eval_shape(lambda: jax.tree.map(lambda x: x.astype(cfg.dtype),
+                                              model.init_layers(jax.random.split(jax.random.key(0), 1))))
+  packed = jax.eval_shape(lambda tree: quantize_layers(tree, QuantConfig(bits=bits, group_size=group_size)), layer)
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(packed))
+
+
+def _stored(cfg: ModelConfig, offload: OffloadConfig) -> tuple[int, int]:
+  """(bytes of a streamed layer, of a resident layer) as stored."""
+  return tuple(stored_layer_bytes(cfg, bits, offload.weight_group_size)
+               for bits in (offload.streamed_bits, offload.resident_bits))
+
+
 def footprint(cfg: ModelConfig, offload: OffloadConfig, batch: int, prompt_len: int, max_len: int) -> tuple[int, int]:
   """(device bytes, pinned host bytes) that a generation keeps at its peak (the prompt's pass)."""
   layer, outer, kv_token = _sizes(cfg)
+  streamed_layer, resident_layer = _stored(cfg, offload)
   item = jnp.dtype(cfg.dtype).itemsize
   rows = batch // offload.sub_batches
   streamed = cfg.num_layers - offload.resident_layers
@@ -32,12 +56,14 @@ def footprint(cfg: ModelConfig, offload: OffloadConfig, batch: int, prompt_len: 
   # the projections, and the group's cache written anew (scan outputs do not alias their inputs).
   scores = rows * cfg.num_heads * prompt_len * max_len * (4 + 4 + item)
   temporaries = scores + rows * prompt_len * (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * item + group_cache
+  if min(offload.streamed_bits, offload.resident_bits) < 16:  # a call dequantizes its group's kernels first
+    temporaries += offload.live_layers * layer
   in_flight = IN_FLIGHT + 1
-  device = outer + offload.resident_layers * layer + (in_flight * live * layer if streamed else 0)
+  device = outer + offload.resident_layers * resident_layer + (in_flight * live * streamed_layer if streamed else 0)
   device += in_flight * group_cache if offload.kv_on_host else cache
   # Hidden states in and out; one call's scratch, which the next call reuses (the device runs them in order).
   device += 2 * batch * prompt_len * cfg.hidden_size * item + temporaries
-  host = streamed * layer + (cache if offload.kv_on_host else 0)
+  host = streamed * streamed_layer + (cache if offload.kv_on_host else 0)
   return device, host
 
 
@@ -52,11 +78,12 @@ def pass_cost(cfg: ModelConfig, offload: OffloadConfig, batch: int, seq: int, ma
   """Bytes moved and estimated time of one pass of `seq` tokens per row (the prompt's pass, or one decode pass), at
   `machine`'s rates."""
   layer, outer, kv_token = _sizes(cfg)
+  streamed_layer, _ = _stored(cfg, offload)
   streamed = cfg.num_layers - offload.resident_layers
   cache = cfg.num_layers * batch * max_len * kv_token
   cache_in = cache if offload.kv_on_host and not prompt else 0  # the prompt's pass starts its caches on the device
   cache_out = cache if offload.kv_on_host else 0
-  copied_in = streamed * layer + cache_in
+  copied_in = streamed * streamed_layer + cache_in
   flops = batch * seq * cfg.num_layers * (2 * cfg.layer_param_count() + 4 * max_len * cfg.hidden_size)
   flops += 2 * batch * cfg.vocab_size * cfg.embed_dim
   calls = len(layer_groups(cfg.num_layers, offload.resident_layers, offload.live_layers)[0])
@@ -104,7 +131,10 @@ class Plan:
         f"batch {self.batch} = {n} sub-batch{'es' * (n > 1)} of {self.batch // n} rows; "
         f"prompt {self.prompt_len} + {self.new_tokens} new tokens ({max_len} cache slots per row)",
         f"weights ({cfg.dtype}): {o.resident_layers} of {cfg.num_layers} layers resident on the device, {streamed} "
-        f"streamed from pinned host in groups of {o.live_layers} ({layer / 1e9:.3g} GB per layer)",
+        f"streamed from pinned host in groups of {o.live_layers} ({layer / 1e9:.3g} GB per layer)" + "".join(
+            f"; {what} kernels as int{bits} ({stored_layer_bytes(cfg, bits, o.weight_group_size) / 1e9:.3g} GB "
+            f"per layer)" for what, bits in (("streamed", o.streamed_bits), ("resident", o.resident_bits))
+            if bits < 16),
         f"KV cache: {cache / GIB:.2f} GiB ({max_len * cfg.num_layers * kv_token / 2**20:.1f} MiB per row), "
         f"{'in pinned host memory' if o.kv_on_host else 'on the device'}",
         f"memory: device {self.device_bytes / GIB:.2f} of {self.device_budget / GIB:.2f} GiB, "
@@ -127,14 +157,15 @@ def _make_plan(cfg, offload, batch, prompt_len, new_tokens, budgets, machine) ->
 def plan(cfg: ModelConfig, prompt_len: int, new_tokens: int, device_budget: int, host_budget: int, *,
          batch: int | None = None, sub_batches: int | None = None, live_layers: int = 1,
          resident_layers: int | None = None, kv_on_host: bool | None = None, machine: Machine = REFERENCE,
-         max_batch: int = 1024) -> Plan:
+         max_batch: int = 1024, streamed_bits: int = 16, resident_bits: int = 16, weight_group_size: int = 128) -> Plan:
   """The generation layout with the best estimated throughput that fits both memory budgets (bytes).
 
   Knobs given (not None) are kept; the others are searched: the batch over powers of two up to max_batch and
   max_batch itself, the KV cache on the device or in pinned host memory, sub-batches over the batch's divisors, and
   as many resident layers as fit. Of the layouts within 3% of the best estimate it takes the smallest batch, then the
-  cache on the device, then the fewest sub-batches. Raises ValueError, with the GiB needed and available, when nothing
-  fits.
+  cache on the device, then the fewest sub-batches. Compressed layers (`streamed_bits`, `resident_bits` < 16) count
+  their smaller bytes, so more of them fit on the device. Raises ValueError, with the GiB needed and available, when
+  nothing fits.
   """
   max_len = prompt_len + new_tokens
   if min(prompt_len, new_tokens, live_layers, batch or 1, sub_batches or 1, max_batch) < 1:
@@ -153,7 +184,7 @@ def plan(cfg: ModelConfig, prompt_len: int, new_tokens: int, device_budget: int,
         if b % n:
           continue
         for r in [resident_layers] if resident_layers is not None else range(cfg.num_layers, -1, -1):
-          offload = OffloadConfig(n, live_layers, r, on_host)
+          offload = OffloadConfig(n, live_layers, r, on_host, streamed_bits, resident_bits, weight_group_size)
           device, host = footprint(cfg, offload, b, prompt_len, max_len)
           shortfall = max(device - device_budget, 0) + max(host - host_budget, 0)
           if not shortfall:

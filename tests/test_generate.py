@@ -19,6 +19,7 @@ from models.presets import build, get_config
 from sljax import generate as gen
 from sljax.checkpoint import Checkpointer, restore_params
 from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig, generate_on_device
+from sljax import generate_plan as gen_plan
 from sljax.generate_plan import footprint, plan
 from sljax.machines import GIB
 from sljax.memory import HOST
@@ -221,6 +222,7 @@ PLAN_ERRORS = {
     "batch 6 does not split into 4 equal sub-batches": dict(batch=6, sub_batches=4),
     "exceed the model's 4096 positions": dict(new_tokens=4000),
     "resident_layers must be in 0..80": dict(resident_layers=81),
+    "streamed_bits must be one of 16, 8, 4, got 3": dict(streamed_bits=3),
 }
 
 
@@ -368,3 +370,23 @@ def test_compressed_init_equals_compressed_load_of_model_init():
 def test_weight_bits_other_than_16_8_4_are_refused():
   with pytest.raises(ValueError, match="streamed_bits must be one of 16, 8, 4, got 2"):
     OffloadConfig(streamed_bits=2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_plan_counts_compressed_layers_at_the_bytes_the_generator_stores(bits):
+  model, params, _ = _setup("llama")
+  cfg = model.cfg
+  offload = OffloadConfig(live_layers=1, resident_layers=1, streamed_bits=bits, resident_bits=8)
+  weights = OffloadedGenerator(model, offload).load(params)
+  stored = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  streamed = [stored(group) for group, flag in zip(weights["groups"], gen.layer_groups(4, 1, 1)[1]) if not flag]
+  assert streamed == [gen_plan.stored_layer_bytes(cfg, bits, 128)] * 3
+  resident = stored(weights["groups"][gen.layer_groups(4, 1, 1)[1].index(True)])
+  assert resident == gen_plan.stored_layer_bytes(cfg, 8, 128) < gen_plan.stored_layer_bytes(cfg, 16, 128)
+  exact = OffloadConfig(live_layers=1, resident_layers=1)
+  assert footprint(cfg, offload, 4, 8, 16)[1] == footprint(cfg, exact, 4, 8, 16)[1] - 3 * (
+      gen_plan.stored_layer_bytes(cfg, 16, 128) - streamed[0])
+  llama70b = get_config("llama70b", {"dtype": "bfloat16"})
+  kept = {b: plan(llama70b, 512, 32, 130 * GIB, 94 * GIB, streamed_bits=b, resident_bits=b).offload.resident_layers
+          for b in (16, bits)}
+  assert kept[bits] > kept[16]  # smaller resident layers: more of them fit on the device
