@@ -267,8 +267,8 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   if mode == "device":
     print(f"note: training would run the on-device step (batch {data_cfg.batch_size}: the training state fits); "
           f"the plan below is the offload engine's (--engine=offload)")
-  # Each group's backward recomputes the group's forward: per-layer remat inside it would recompute twice. (The
-  # engine is to own this choice; until it does, the offload step's model is built without remat here.)
+  # The engine runs its model without per-layer remat (each group's backward recomputes the group's forward); the
+  # config says so too, so that the run's saved model config and its plan describe the model the step runs.
   model_cfg = dataclasses.replace(model_cfg, remat=False)
   # The host budget is this process's: each of its devices keeps its own share of the host-resident state in pinned
   # memory (a whole copy under pure data parallel), so each device plans with an equal part of it.
