@@ -3,18 +3,18 @@ with the best estimated throughput that fits given memory budgets, from the byte
 and moves (`pass_cost`) in sljax.generate's loop, and the machine's rates (sljax.machines)."""
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-import functools
-
 from models.config import ModelConfig
 from models.presets import build
 from sljax.generate import IN_FLIGHT, OffloadConfig, layer_groups
-from sljax.quant import QuantConfig, quantize_layers
 from sljax.machines import GIB, REFERENCE, Machine, default_budget
+from sljax.memory import tree_bytes
+from sljax.quant import QuantConfig, quantize_layers
 
 
 def _sizes(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -33,7 +33,7 @@ def stored_layer_bytes(cfg: ModelConfig, bits: int, group_size: int) -> int:
   layer = jax.eval_shape(lambda: jax.tree.map(lambda x: x.astype(cfg.dtype),
                                               model.init_layers(jax.random.split(jax.random.key(0), 1))))
   packed = jax.eval_shape(lambda tree: quantize_layers(tree, QuantConfig(bits=bits, group_size=group_size)), layer)
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(packed))
+  return tree_bytes(packed)
 
 
 def _stored(cfg: ModelConfig, offload: OffloadConfig) -> tuple[int, int]:

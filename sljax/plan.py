@@ -17,6 +17,7 @@ from models.presets import build, get_config
 # Budget, default_budget and target_budget are machine facts (sljax.machines), re-exported for the planner's callers.
 from sljax.machines import (GIB, REFERENCE, Budget, Machine, default_budget, rates_of,  # noqa: F401
                             target_budget)
+from sljax.memory import tree_bytes
 from sljax.schedule import Engine, EngineConfig
 from sljax.sizes import model_sizes
 
@@ -143,8 +144,7 @@ def gpu_peak_from_cpu(cpu_peak: int) -> int:
 def optimizer_bytes_per_param(optimizer: optax.GradientTransformation, dtype=jnp.float32) -> float:
   """Bytes of optimizer state per parameter of `dtype`, from optimizer.init's shapes (nothing is allocated). AdamW:
   8, or 6 with a bf16 first moment (optax keeps the second in the params' dtype)."""
-  size = lambda n: sum(x.size * x.dtype.itemsize
-                       for x in jax.tree.leaves(jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((n,), dtype))))
+  size = lambda n: tree_bytes(jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((n,), dtype)))
   return (size(2048) - size(1024)) / 1024  # per-parameter leaves only: scalars such as the step count cancel
 
 

@@ -8,10 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from models.common import check_model, layer_compute_dtypes
-
-
-def _bytes(tree) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+from sljax.memory import tree_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +42,14 @@ def model_sizes(model) -> ModelSizes:
   dtypes = layer_compute_dtypes(model, layer)
   weights = jax.tree.map(lambda x, dtype: jax.ShapeDtypeStruct(x.shape, dtype), layer, dtypes)
   h = jax.eval_shape(model.layers, weights, jax.eval_shape(model.embed, outer, jax.ShapeDtypeStruct((1, 1), jnp.int32)))
-  kv_token = _bytes(jax.eval_shape(lambda: model.init_cache(1, 1, 1))) if hasattr(model, "init_cache") else 0
+  kv_token = tree_bytes(jax.eval_shape(lambda: model.init_cache(1, 1, 1))) if hasattr(model, "init_cache") else 0
   count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
   num_layers, layer_params, outer_params = model.cfg.num_layers, count(layer), count(outer)
   flops = getattr(model.cfg, "flops_per_token", None) or (
       lambda seq_len: 6 * (num_layers * layer_params + outer_params) + 6 * num_layers * seq_len * h.shape[-1])
   return ModelSizes(
       num_layers=num_layers, layer_params=layer_params, outer_params=outer_params,
-      layer_master_bytes=_bytes(layer), outer_master_bytes=_bytes(outer), layer_weight_bytes=_bytes(weights),
+      layer_master_bytes=tree_bytes(layer), outer_master_bytes=tree_bytes(outer),
+      layer_weight_bytes=tree_bytes(weights),
       separate_weights=any(x.dtype != w.dtype for x, w in zip(jax.tree.leaves(layer), jax.tree.leaves(weights))),
       hidden=h.shape[-1], activation_itemsize=h.dtype.itemsize, kv_bytes_per_token=kv_token, flops_per_token=flops)

@@ -22,7 +22,7 @@ from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig, ge
 from sljax import generate_plan as gen_plan
 from sljax.generate_plan import footprint, plan
 from sljax.machines import GIB
-from sljax.memory import HOST
+from sljax.memory import HOST, tree_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {
@@ -378,10 +378,9 @@ def test_the_plan_counts_compressed_layers_at_the_bytes_the_generator_stores(bit
   cfg = model.cfg
   offload = OffloadConfig(live_layers=1, resident_layers=1, streamed_bits=bits, resident_bits=8)
   weights = OffloadedGenerator(model, offload).load(params)
-  stored = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-  streamed = [stored(group) for group, flag in zip(weights["groups"], gen.layer_groups(4, 1, 1)[1]) if not flag]
+  streamed = [tree_bytes(group) for group, flag in zip(weights["groups"], gen.layer_groups(4, 1, 1)[1]) if not flag]
   assert streamed == [gen_plan.stored_layer_bytes(cfg, bits, 128)] * 3
-  resident = stored(weights["groups"][gen.layer_groups(4, 1, 1)[1].index(True)])
+  resident = tree_bytes(weights["groups"][gen.layer_groups(4, 1, 1)[1].index(True)])
   assert resident == gen_plan.stored_layer_bytes(cfg, 8, 128) < gen_plan.stored_layer_bytes(cfg, 16, 128)
   exact = OffloadConfig(live_layers=1, resident_layers=1)
   assert footprint(cfg, offload, 4, 8, 16)[1] == footprint(cfg, exact, 4, 8, 16)[1] - 3 * (
