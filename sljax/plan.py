@@ -14,9 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from models.presets import build, get_config
-# Budget, default_budget and target_budget are machine facts (sljax.machines), re-exported for the planner's callers.
-from sljax.machines import (GIB, REFERENCE, Budget, Machine, default_budget, rates_of,  # noqa: F401
-                            target_budget)
+from sljax.machines import GIB, REFERENCE, Budget, Machine, rates_of
 from sljax.memory import tree_bytes
 from sljax.schedule import Engine, EngineConfig
 from sljax.sizes import model_sizes

@@ -14,7 +14,8 @@ from sljax import plan as planner
 from sljax.machines import MACHINES, REFERENCE
 from sljax.memory import Placement
 from sljax.mesh import make_mesh
-from sljax.plan import GIB, Budget, default_budget, make_plan, optimizer_bytes_per_param, plan_batch, target_budget
+from sljax.machines import GIB, Budget, default_budget, target_budget
+from sljax.plan import make_plan, optimizer_bytes_per_param, plan_batch
 from sljax.schedule import Engine
 
 HUGE = Budget(device_bytes=1 << 50, host_bytes=1 << 50)
