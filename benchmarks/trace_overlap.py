@@ -1,32 +1,37 @@
-"""How much of one step's PCIe traffic hides behind compute, from a jax.profiler perfetto trace.
+"""How busy the GPU is in one step and how much of its PCIe traffic hides behind compute, from a jax.profiler
+perfetto trace.
 
-  python -m benchmarks.trace_overlap TRACE.json.gz --out=benchmarks/results/overlap.json --png=overlap.png
+  python -m benchmarks.trace_overlap TRACE_DIR_OR_FILE --out=benchmarks/results/overlap.json --png=overlap.png
   python -m benchmarks.trace_overlap --smoke --out=/tmp/overlap_smoke.json   # a made-up trace of a few events
 
-The trace comes from `python -m benchmarks.train_throughput --trace_dir=...` (one traced step). Prints the step's
-span, the time the GPU computes, copies host->device and device->host, and how much copy time runs while it
-computes; the PNG (needs matplotlib) draws the three lanes on one time axis.
+The trace comes from `python -m benchmarks.train_throughput --trace_cases=CASE --trace_dir=DIR` (one traced step;
+given DIR, the newest trace in it is read). Prints the step's span, the time the GPU computes (and the gaps in which
+it runs no kernel), copies host->device and device->host, and how much copy time runs while it computes; the PNG
+(needs matplotlib) draws the three lanes on one time axis. train_throughput calls these functions itself.
 """
 
+import glob
 import gzip
 import json
+import os
 
 from absl import app, flags
 
 from benchmarks.common import define_flags, provenance, write_results
 
-define_flags("Summarize SMOKE_TRACE instead of a trace file: checks the code path anywhere.",
-             out="Write the summary JSON here.")
-flags.DEFINE_string("png", "", "Draw the timeline here (needs matplotlib).")
 FLAGS = flags.FLAGS
+IDLE_GAP_US = 100  # idle gaps at least this long are counted (shorter ones are kernel launch latency)
+LARGEST_GAPS = 5  # the summary lists this many of the longest
 
-# A GPU computing 0-100 us and 150-200 us, copying in 50-120 us and out 180-190 us (a CPU event is left out):
-# 60 us of its 80 us of copies run while it computes.
+# A GPU computing 0-100, 150-200 and 350-400 us, copying in 50-120 us and out 180-190 us (a CPU event is left out):
+# 60 us of its 80 us of copies run while it computes; it runs kernels 200 of the 400 us, idle in a gap of 50 us and
+# one of 150 us (the one over IDLE_GAP_US, 200 us after the start).
 SMOKE_TRACE = {"traceEvents": [
     {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
     {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
     {"ph": "X", "pid": 1, "name": "fusion", "ts": 0, "dur": 100},
     {"ph": "X", "pid": 1, "name": "gemm", "ts": 150, "dur": 50},
+    {"ph": "X", "pid": 1, "name": "gemm", "ts": 350, "dur": 50},
     {"ph": "X", "pid": 1, "name": "MemcpyH2D", "ts": 50, "dur": 70},
     {"ph": "X", "pid": 1, "name": "MemcpyD2H", "ts": 180, "dur": 10},
     {"ph": "X", "pid": 2, "name": "MemcpyH2D", "ts": 0, "dur": 500},
@@ -71,8 +76,22 @@ def overlap(a, b) -> float:
   return total
 
 
-def summarize(trace: dict) -> dict:
+def idle_gaps(compute, start: float, end: float) -> dict:
+  """Where the GPU runs no kernel between `start` and `end` (us; `compute`: merged kernel intervals): idle seconds,
+  how many gaps last IDLE_GAP_US or more, and the LARGEST_GAPS longest (ms, and how long after `start` each began)."""
+  edges = [start] + [t for interval in compute for t in interval] + [end]
+  gaps = [(a, b - a) for a, b in zip(edges[::2], edges[1::2]) if b > a]  # before each kernel, and after the last
+  longest = sorted(gaps, key=lambda gap: -gap[1])[:LARGEST_GAPS]
+  return {"idle_s": sum(length for _, length in gaps) / 1e6,
+          f"idle_gaps_over_{IDLE_GAP_US}us": sum(length >= IDLE_GAP_US for _, length in gaps),
+          "largest_idle_gaps": [{"ms": length / 1e3, "at_ms": (at - start) / 1e3} for at, length in longest]}
+
+
+def summarize(trace: dict) -> tuple[dict, dict, float]:
+  """(The summary, the merged lanes, the span's start in us). ValueError for a trace without GPU events."""
   merged = {name: union(intervals) for name, intervals in lanes(trace).items()}
+  if not any(merged.values()):
+    raise ValueError("the trace has no GPU events (taken on a machine without a GPU?)")
   busy = {name: sum(end - start for start, end in m) / 1e6 for name, m in merged.items()}
   start = min(m[0][0] for m in merged.values() if m)
   end = max(m[-1][1] for m in merged.values() if m)
@@ -81,7 +100,24 @@ def summarize(trace: dict) -> dict:
   hidden = overlap(copies, merged["compute"]) / 1e6
   return {"span_s": (end - start) / 1e6, "busy_s": busy, "copy_s": copy_seconds, "copy_hidden_by_compute_s": hidden,
           "copy_hidden_fraction": hidden / copy_seconds if copy_seconds else None,
-          "compute_fraction_of_span": busy["compute"] * 1e6 / (end - start)}, merged, start
+          "compute_fraction_of_span": busy["compute"] * 1e6 / (end - start),
+          **idle_gaps(merged["compute"], start, end)}, merged, start
+
+
+def newest_trace(path: str) -> str:
+  """`path` if it is a trace file, else the newest perfetto trace that jax.profiler.trace(path,
+  create_perfetto_trace=True) wrote under it. ValueError when there is none."""
+  if os.path.isfile(path):
+    return path
+  found = glob.glob(os.path.join(path, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+  if not found:
+    raise ValueError(f"no perfetto_trace.json.gz under {path}/plugins/profile: trace with create_perfetto_trace=True")
+  return max(found, key=os.path.getmtime)
+
+
+def load(path: str) -> dict:
+  with gzip.open(path) as f:
+    return json.load(f)
 
 
 def draw(merged, start, path):
@@ -100,15 +136,13 @@ def draw(merged, start, path):
 
 
 def main(argv):
-  if FLAGS.smoke:
-    trace, path = SMOKE_TRACE, None
-  elif len(argv) == 2:
-    path = argv[1]
-    with gzip.open(path) as f:
-      trace = json.load(f)
-  else:
-    raise app.UsageError("give one trace file (TRACE.json.gz), or --smoke")
-  summary, merged, start = summarize(trace)
+  if not FLAGS.smoke and len(argv) != 2:
+    raise app.UsageError("give one trace (a TRACE.json.gz, or the directory jax.profiler.trace wrote), or --smoke")
+  try:
+    path = None if FLAGS.smoke else newest_trace(argv[1])
+    summary, merged, start = summarize(SMOKE_TRACE if FLAGS.smoke else load(path))
+  except ValueError as error:
+    raise app.UsageError(str(error)) from None
   summary["trace"] = path
   print(json.dumps(summary, indent=1))
   write_results(FLAGS.out, {**provenance(device=None), **summary})
@@ -117,4 +151,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only for the program: train_throughput imports this module, and --out, --smoke are its flags too.
+  define_flags("Summarize SMOKE_TRACE instead of a trace file: checks the code path anywhere.",
+               out="Write the summary JSON here.")
+  flags.DEFINE_string("png", "", "Draw the timeline here (needs matplotlib).")
   app.run(main)

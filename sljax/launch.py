@@ -362,13 +362,20 @@ def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.De
   return StepFunctions(init, load, step, lambda key: jax.eval_shape(init, key), skips_bad_steps=True)
 
 
+def offload_engine(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
+                   mesh: jax.sharding.Mesh | None = None) -> schedule.Engine:
+  """The engine train.py runs for `optim_cfg`: its AdamW without clipping, which the engine does itself (exactly,
+  over all groups) at optim_cfg.grad_clip_norm."""
+  return schedule.Engine(model, make_optimizer(optim_cfg, clip=False),
+                         dataclasses.replace(engine_cfg, grad_clip_norm=optim_cfg.grad_clip_norm),
+                         None if mesh is None else Placement(mesh))
+
+
 def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
               mesh: jax.sharding.Mesh | None = None) -> StepFunctions:
   """The SpeedLoader engine (sljax.schedule): layer-major, sub-batched, with host-resident state; over `mesh`, data
   parallel + FSDP."""
-  engine = schedule.Engine(model, make_optimizer(optim_cfg, clip=False),
-                           dataclasses.replace(engine_cfg, grad_clip_norm=optim_cfg.grad_clip_norm),
-                           None if mesh is None else Placement(mesh))
+  engine = offload_engine(model, optim_cfg, engine_cfg, mesh)
   # A non-finite loss leaves its state unchanged; a non-finite gradient too when clipping (the updates then wait for
   # the global norm). Without clipping, updates stream out before the whole gradient is known: rewind instead.
   return StepFunctions(engine.init, engine.from_params, engine.step, engine.abstract_state,

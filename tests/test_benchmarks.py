@@ -47,9 +47,25 @@ def test_train_scaling_smoke_runs_fsdp_over_two_devices(tmp_path):
   assert case["mesh"] == {"data": 1, "fsdp": 2} and case["bytes_per_step"]["between_devices"] > 0
 
 
-def test_trace_overlap_smoke_finds_the_copies_hidden_by_compute(tmp_path):
+def test_trace_overlap_smoke_finds_the_copies_hidden_by_compute_and_the_idle_gaps(tmp_path):
   result = smoke("trace_overlap", tmp_path)
-  assert result["copy_hidden_fraction"] == pytest.approx(60 / 80) and result["span_s"] == pytest.approx(200e-6)
+  assert result["copy_hidden_fraction"] == pytest.approx(60 / 80) and result["span_s"] == pytest.approx(400e-6)
+  assert result["compute_fraction_of_span"] == pytest.approx(0.5) and result["idle_s"] == pytest.approx(200e-6)
+  assert result["idle_gaps_over_100us"] == 1
+  assert result["largest_idle_gaps"] == [{"ms": pytest.approx(0.15), "at_ms": pytest.approx(0.2)},
+                                         {"ms": pytest.approx(0.05), "at_ms": pytest.approx(0.1)}]
+
+
+def test_kernel_ceiling_smoke_times_the_three_kernels(tmp_path):
+  result = smoke("kernel_ceiling", tmp_path)
+  assert has_provenance(result, "kernel_ceiling") and result["model"] == "llama13b"
+  assert all(result[f"{kernel}_ms"] > 0 and len(result["ms_all"][kernel]) == result["repeats"]
+             for kernel in ("forward", "recompute_backward", "residuals_kept"))
+  # Four layers x four sub-batches of each kernel make the step.
+  assert result["step_s_full_recompute"] == pytest.approx(
+      16e-3 * (result["forward_ms"] + result["recompute_backward_ms"]))
+  assert 0 < result["ceiling_mfu_full_recompute"] < result["ceiling_hfu_full_recompute"]
+  assert result["ceiling_mfu_full_recompute"] < result["ceiling_mfu_residuals_kept"]  # one forward fewer
 
 
 def test_checkpoint_scale_smoke_resumes_with_the_uninterrupted_losses(tmp_path):
