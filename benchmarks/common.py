@@ -19,10 +19,10 @@ from sljax.machines import PINNED_POOL_ENV, reserve_gpu_memory, xla_memory_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
-# --smoke of the training benchmarks (train_throughput, kernel_ceiling): a preset's family at CPU size, 4 rows of 32
-# tokens.
+# --smoke of the training benchmarks (train_throughput, kernel_ceiling): a preset's family at CPU size, one row of 32
+# tokens (the batch the plan chooses for it as train.py would: every smoke case then runs the same compiled calls).
 TRAINING_SMOKE = dict(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=256)
-TRAINING_SMOKE_ROWS, TRAINING_SMOKE_SEQ = 4, 32
+TRAINING_SMOKE_ROWS, TRAINING_SMOKE_SEQ = 1, 32
 # --smoke of the generation benchmark and its baseline: the same families at CPU sizes.
 GENERATION_SMOKE = {
     "llama": dict(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=512),

@@ -1,20 +1,42 @@
-"""Training throughput on one GPU: the SpeedLoader engine against the plain step and two streaming baselines.
+"""Training throughput on one GPU: the SpeedLoader engine on llama13b and llama7b, and against the plain step and two
+streaming baselines on a model that fits; beside each engine case, the MFU ceilings of its layer kernels.
 
-  python -m benchmarks.train_throughput --out=benchmarks/results/train_throughput_h200.json
+  python -m benchmarks.train_throughput --cases=big --out=benchmarks/results/train_throughput_h200.json
+  python -m benchmarks.train_throughput --cases=fits --merge --out=benchmarks/results/train_throughput_h200.json
   python -m benchmarks.train_throughput --smoke   # tiny shapes, any machine: checks the code paths
 
-Cases (each recorded with tokens/s, MFU, hardware FLOPs utilization, peak device / host memory, bytes moved):
-  big        llama13b, seq 2048, the plan's placement (its training state fits neither the GPU nor host RAM alone)
-  fits/*     a model that fits on the device, same batch:
-             device      the plain all-on-device jitted step (scan over layers, remat)
-             engine      the engine, placed by the plan (all on the device when it fits)
-             streamed    the engine with everything on the host (weights, state, activations)
-             per_micro   weights streamed per micro-batch with gradient accumulation (what ZeRO-3 offload does)
-             in_jit_scan weights streamed by a lax.scan inside one jit with device_put in its body (JAX's native way)
+Cases (--cases; each recorded with tokens/s, MFU, hardware FLOPs utilization, peak device / host memory, bytes moved):
+  big        llama13b, seq 2048, batch --big_batch, the plan's placement for --host_memory_gib, AdamW without
+             clipping (its training state fits neither the GPU nor host RAM alone)
+  big_clip   llama13b as the README's `python train.py --model=llama13b` runs it (sljax.launch): the recipe's AdamW
+             clipped at 1.0, and the batch, placement and first-moment dtype the plan then chooses
+  llama7b    llama7b, all 32 layers, as `python train.py --model=llama7b --engine=offload` runs it (the bare command
+             runs the on-device step on an H200, which its training state fits)
+  fits       a model that fits on the device (--fits_model, --fits_set), same batch (--fits_cases):
+             device_remat     the plain all-on-device jitted step (scan over layers, per-layer remat)
+             device_no_remat  the same without remat (faster, where its activations fit; a failure is recorded)
+             engine           the engine, placed by the plan (all on the device when it fits)
+             streamed         the engine with everything on the host (weights, state, activations)
+             per_micro_batch  weights streamed per micro-batch with gradient accumulation (what ZeRO-3 offload does)
+             in_jit_scan      weights streamed by a lax.scan inside one jit with device_put in its body (JAX's way)
+Each engine case also records its layer kernels' MFU ceilings (benchmarks.kernel_ceiling, in the same process, at
+the case's sub-batch shape) as ceiling_mfu_full_recompute and ceiling_mfu_residuals_kept beside its mfu; a case in
+--trace_cases (default big) runs one more step under jax.profiler and records gpu_busy_fraction, the idle gaps and the
+copies hidden behind compute (benchmarks.trace_overlap). Ratios: fits/engine_over_best_device (the engine over the
+faster all-on-device step), engine_over_all_on_device (over the remat one), the streamed engine over each streaming
+baseline.
+
+XLA's pinned host pool never shrinks, so a case run after another starts with the first one's pool on top of its own:
+on the GPU run each case in its own process, --merge collecting them in one file.
 """
 
+import contextlib
 import dataclasses
+import io
+import json
+import os
 import resource
+import tempfile
 import time
 
 import jax
@@ -24,36 +46,50 @@ import optax
 from absl import app, flags
 from jax import lax
 
-from benchmarks.common import batch_of, define_flags, provenance, set_xla_memory, timed, write_results
+from benchmarks import trace_overlap
+from benchmarks.common import (TRAINING_SMOKE, TRAINING_SMOKE_ROWS, TRAINING_SMOKE_SEQ, batch_of, define_flags,
+                               provenance, set_xla_memory, timed, write_results)
+from benchmarks.kernel_ceiling import ceilings, hardware_flops_per_token
 from models.presets import build, get_config, parse_overrides
+from sljax import launch
 from sljax import plan as planner
 from sljax.machines import GIB, default_budget, rates_of
 from sljax.memory import Placement, prefetch
+from sljax.mesh import make_mesh
 from sljax.schedule import Engine
+from sljax.trainer import RunConfig
 
 # The pinned pool is capped above the plan's default --host_memory_gib: uncapped, it grows by doubling past what the
-# 128 GiB machine has.
+# 128 GiB machine has. On that machine it is also the cap train.py sets (sljax.launch.set_pinned_pool).
 set_xla_memory(pinned_pool_gib=96)
 
-define_flags("Tiny shapes: checks every code path on any machine in a minute.")
-flags.DEFINE_list("cases", "big,fits", "Which cases to run.")
-flags.DEFINE_integer("big_batch", 32, "llama13b effective batch (sequences of --seq_len).")
+CASES = ("big", "big_clip", "llama7b", "fits")
+FITS_CASES = ("device_remat", "device_no_remat", "engine", "streamed", "per_micro_batch", "in_jit_scan")
+ENGINE_CASES = ("big", "big_clip", "llama7b", "fits/engine", "fits/streamed")  # the cases a trace can be taken of
+
+define_flags("Tiny shapes: checks every code path on any machine in a minute or two.",
+             out="Write the results JSON here (rewritten after every case).")
+flags.DEFINE_list("cases", ",".join(CASES), f"Which cases to run, of {', '.join(CASES)}.")
+flags.DEFINE_bool("merge", False, "Keep the results already in --out of the cases this run does not run (each case "
+                  "run in its own process, all in one file); the ratios are then over all of them.")
+flags.DEFINE_integer("big_batch", 32, "llama13b effective batch of the big case (sequences of --seq_len).")
 flags.DEFINE_integer("fits_batch", 16, "Effective batch of the model that fits.")
 flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).")
 flags.DEFINE_string("fits_model", "llama7b", "Preset of the model that fits.")
 flags.DEFINE_multi_string("fits_set", ["num_layers=8"], "Overrides of the model that fits.")
-flags.DEFINE_list("fits_cases", "device,engine,streamed,per_micro_batch,in_jit_scan", "Which cases of the model that "
-                  "fits to run.")
-flags.DEFINE_string("trace_dir", "", "Write a jax.profiler (perfetto) trace of one step of --trace_case here.")
-flags.DEFINE_string("trace_case", "fits/streamed", "Case whose step is traced.")
-flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan may use (below XLA's pinned pool limit).")
+flags.DEFINE_list("fits_cases", ",".join(FITS_CASES), "Which cases of the model that fits to run.")
+flags.DEFINE_list("trace_cases", "big", f"Engine cases ({', '.join(ENGINE_CASES)}) that run one more step, traced: "
+                  "gpu_busy_fraction and the idle gaps of that step.")
+flags.DEFINE_string("trace_dir", "", "Keep the traces (jax.profiler, perfetto) here (default: a temporary directory, "
+                    "removed once read).")
+flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan of big and fits may use (below XLA's pinned "
+                   "pool limit; big_clip and llama7b take train.py's default host budget).")
 FLAGS = flags.FLAGS
 
-def hardware_flops_per_token(cfg, seq, recomputed_fraction):
-  """Model FLOPs plus the forward passes the schedule runs twice (a third of a layer's training FLOPs each)."""
-  layer_part = cfg.flops_per_token(seq) - 6 * cfg.vocab_size * cfg.embed_dim
-  return cfg.flops_per_token(seq) + recomputed_fraction * layer_part / 3
+
+def seq_len() -> int:
+  return TRAINING_SMOKE_SEQ if FLAGS.smoke else FLAGS.seq_len
 
 
 def device_peak_bytes():
@@ -79,22 +115,51 @@ def record(name, cfg, rows, seq, seconds, times, losses, recomputed_fraction, ex
   return result
 
 
-def run_engine(name, model, optimizer, engine_cfg, batch, steps, key):
-  engine = Engine(model, optimizer, engine_cfg)
+def run_engine(name, engine: Engine, batch, steps, key):
+  """Init, one warm-up step, `steps` timed steps and (name in --trace_cases) one traced; then, the state freed, the
+  layer kernels' ceilings at the step's sub-batch shape."""
   start = time.perf_counter()
   state = jax.block_until_ready(engine.init(key))
   print(f"{name}: initialized in {time.perf_counter() - start:.0f} s", flush=True)
   before = dict(engine.place.moved)
   seconds, times, losses, state = timed(engine.step, state, batch, steps)
   moved = {k: (engine.place.moved[k] - before[k]) // (steps + 1) for k in before}  # every step moves the same
-  if FLAGS.trace_dir and name == FLAGS.trace_case:
-    with jax.profiler.trace(FLAGS.trace_dir, create_perfetto_trace=True):
-      state, loss = engine.step(state, batch)
-      jax.block_until_ready(loss)
   groups = len(engine.groups)
   rows, seq = batch["inputs"].shape
-  return record(name, model.cfg, rows, seq, seconds, times, losses, (groups - 1) / groups,
-                {"engine": dataclasses.asdict(engine_cfg), "bytes_moved_per_step": moved})
+  result = record(name, engine.model.cfg, rows, seq, seconds, times, losses, (groups - 1) / groups,
+                  {"engine": dataclasses.asdict(engine.cfg), "bytes_moved_per_step": moved})
+  if name in FLAGS.trace_cases:
+    state, traced = traced_step(engine, state, batch)
+    result.update(traced)
+  del state  # the ceilings' kernels get the device the step had
+  sub_batches = engine.cfg.sub_batches
+  ceiling = ceilings(engine.model, rows // sub_batches, seq, sub_batches, engine.cfg.live_layers)
+  print(f"{name}: layer kernels alone: MFU ceiling {ceiling['ceiling_mfu_full_recompute']:.3f} with full recompute, "
+        f"{ceiling['ceiling_mfu_residuals_kept']:.3f} with residuals kept", flush=True)
+  return {**result, "ceiling_mfu_full_recompute": ceiling["ceiling_mfu_full_recompute"],
+          "ceiling_mfu_residuals_kept": ceiling["ceiling_mfu_residuals_kept"], "kernel_ceiling": ceiling}
+
+
+def traced_step(engine: Engine, state, batch):
+  """One more step under jax.profiler: (the state after it, what the GPU did in it: benchmarks.trace_overlap's
+  summary, and its compute fraction as gpu_busy_fraction; None without a GPU, whose trace has no device lanes)."""
+  with contextlib.ExitStack() as stack:
+    trace_dir = FLAGS.trace_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="sljax_trace_"))
+    start = time.perf_counter()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      state, loss = engine.step(state, batch)
+      jax.block_until_ready(loss)
+      seconds = time.perf_counter() - start  # the step, not the trace's export
+    path = trace_overlap.newest_trace(trace_dir)
+    trace = trace_overlap.load(path)
+  summary = trace_overlap.summarize(trace)[0] if jax.devices()[0].platform == "gpu" else None
+  if summary:
+    print(f"traced step: GPU busy {summary['compute_fraction_of_span']:.1%} of {summary['span_s']:.2f} s, idle "
+          f"{summary['idle_s']:.2f} s in {summary['idle_gaps_over_100us']} gaps over 100 us", flush=True)
+  return state, {"gpu_busy_fraction": summary["compute_fraction_of_span"] if summary else None,
+                 "traced_step_seconds": seconds,
+                 "trace": {"file": path if FLAGS.trace_dir else None, "events": len(trace["traceEvents"]),
+                           **(summary or {})}}
 
 
 def all_on_device_step(model, optimizer):
@@ -167,26 +232,53 @@ def in_jit_scan_step(model, optimizer, place: Placement):
   return jax.jit(step, donate_argnums=0)
 
 
-def fits_cases(model, optimizer, rows, seq, steps, key):
+def device_case(name, model, optimizer, batch, steps, key):
+  params = jax.jit(model.init)(key)  # eagerly, flax's init runs op by op
+  state = {"params": params, "opt": optimizer.init(params)}
+  del params
+  seconds, times, losses, _ = timed(all_on_device_step(model, optimizer), state, batch, steps)
+  rows, seq = batch["inputs"].shape
+  return record(name, model.cfg, rows, seq, seconds, times, losses, float(model.cfg.remat), {"remat": model.cfg.remat})
+
+
+def in_jit_scan_case(model, optimizer, batch, steps, key):
+  place = Placement.single()
+  master = jax.jit(model.init)(key)
+  state = {"layers": place.to_host(jax.tree.map(lambda x: x.astype(model.cfg.dtype), master["layers"])),
+           "outer": master["outer"], "master": place.to_host(master), "opt": place.to_host(optimizer.init(master))}
+  del master
+  seconds, times, losses, _ = timed(in_jit_scan_step(model, optimizer, place), state, batch, steps)
+  rows, seq = batch["inputs"].shape
+  return record("fits/in_jit_scan", model.cfg, rows, seq, seconds, times, losses, 1.0, {})
+
+
+def attempt(name, run) -> dict:
+  """run()'s result, or the error of a baseline that does not run (out of memory, say): reported, not hidden."""
+  try:
+    return run()
+  except Exception as error:  # noqa: BLE001
+    print(f"{name} failed:", f"{type(error).__name__}: {error}"[:300], flush=True)
+    return {"case": name, "error": f"{type(error).__name__}: {error}"[:2000]}
+
+
+def fits_cases(model, rows, seq, steps, key):
+  optimizer = optax.adamw(1e-4, weight_decay=0.1)
   batch = batch_of(rows, seq, model.cfg.vocab_size)
   wanted = set(FLAGS.fits_cases)
-  if "device" in wanted:
-    device_model = build(dataclasses.replace(model.cfg, remat=True))
-    params = device_model.init(key)
-    state = {"params": params, "opt": optimizer.init(params)}
-    seconds, times, losses, state = timed(all_on_device_step(device_model, optimizer), state, batch, steps)
-    keep(record("fits/device", model.cfg, rows, seq, seconds, times, losses, 1.0, {}))
-    del state, params
+  for name, remat in (("fits/device_remat", True), ("fits/device_no_remat", False)):
+    if name.split("/")[1] in wanted:
+      device_model = build(dataclasses.replace(model.cfg, remat=remat))
+      keep(attempt(name, lambda: device_case(name, device_model, optimizer, batch, steps, key)))
 
   budget = default_budget()
   plan = planner.make_plan(model, seq, rows, budget)
   print(plan.describe(), flush=True)
   if "engine" in wanted:
-    keep(run_engine("fits/engine", model, optimizer, plan.engine, batch, steps, key))
-    RESULTS[-1]["plan"] = plan.describe()
+    keep({**run_engine("fits/engine", Engine(model, optimizer, plan.engine), batch, steps, key),
+          "plan": plan.describe()})
   streamed = dataclasses.replace(plan.engine, activations_on_host=True, device_state_groups=0)
   if "streamed" in wanted:
-    keep(run_engine("fits/streamed", model, optimizer, streamed, batch, steps, key))
+    keep(run_engine("fits/streamed", Engine(model, optimizer, streamed), batch, steps, key))
 
   if "per_micro_batch" in wanted:
     per_micro_cfg = dataclasses.replace(streamed, sub_batches=1, activations_on_host=False)  # ZeRO keeps them on GPU
@@ -196,73 +288,115 @@ def fits_cases(model, optimizer, rows, seq, steps, key):
     keep(record("fits/per_micro_batch", model.cfg, rows, seq, seconds, times, losses, 0.0,
                 {"micro_batches": plan.engine.sub_batches}))
 
-  if "in_jit_scan" not in wanted:
-    return
-  place = Placement.single()
-  try:
-    master = model.init(key)
-    state = {"layers": place.to_host(jax.tree.map(lambda x: x.astype(model.cfg.dtype), master["layers"])),
-             "outer": master["outer"], "master": place.to_host(master), "opt": place.to_host(optimizer.init(master))}
-    del master
-    seconds, times, losses, _ = timed(in_jit_scan_step(model, optimizer, place), state, batch, steps)
-    keep(record("fits/in_jit_scan", model.cfg, rows, seq, seconds, times, losses, 1.0, {}))
-  except Exception as error:  # noqa: BLE001 — a baseline that does not run is reported, not hidden
-    keep({"case": "fits/in_jit_scan", "error": f"{type(error).__name__}: {error}"[:2000]})
-    print("fits/in_jit_scan failed:", RESULTS[-1]["error"][:300], flush=True)
-
-
-# --smoke: the same families and code paths at CPU sizes (the plan keeps their state on the device; --cases=fits
-# also runs the streamed engine and both baselines).
-SMOKE = dict(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=256)
-SMOKE_ROWS, SMOKE_SEQ = 4, 32
+  if "in_jit_scan" in wanted:
+    keep(attempt("fits/in_jit_scan", lambda: in_jit_scan_case(model, optimizer, batch, steps, key)))
 
 
 def model_of(preset: str, overrides: list[str]):
-  """The preset with `overrides` (and SMOKE's under --smoke), per-layer remat off: the engine's backward already
-  recomputes each group."""
-  return build(get_config(preset, {**parse_overrides(overrides), **(SMOKE if FLAGS.smoke else {}), "remat": False}))
+  """The preset with `overrides` (and TRAINING_SMOKE's under --smoke), per-layer remat off: the engine's backward
+  already recomputes each group."""
+  smoke = TRAINING_SMOKE if FLAGS.smoke else {}
+  return build(get_config(preset, {**parse_overrides(overrides), **smoke, "remat": False}))
+
+
+def big_case(seq, key):
+  """llama13b at --big_batch under the plan for --host_memory_gib, AdamW at 1e-4 without clipping."""
+  model = model_of("llama13b", [])
+  rows = TRAINING_SMOKE_ROWS if FLAGS.smoke else FLAGS.big_batch
+  budget = dataclasses.replace(default_budget(), host_bytes=int(FLAGS.host_memory_gib * GIB))
+  plan = planner.make_plan(model, seq, rows, budget)
+  print(plan.describe(), flush=True)
+  engine = Engine(model, optax.adamw(1e-4, weight_decay=0.1), plan.engine)
+  result = run_engine("big", engine, batch_of(rows, seq, model.cfg.vocab_size), FLAGS.steps, key)
+  keep({**result, "plan": plan.describe(), "predicted_compute_s": plan.compute_seconds,
+        "predicted_transfer_s": plan.transfer_seconds})
+
+
+def as_train_py_case(name, preset, seq, key):
+  """The engine as `python train.py --model=<preset> --engine=offload --seq_len=<seq>` builds it: sljax.launch's
+  recipe, plan (batch, placement, first-moment dtype, for the default host budget) and optimizer, on one device."""
+  overrides = tuple(f"{field}={value}" for field, value in TRAINING_SMOKE.items()) if FLAGS.smoke else ()
+  request = launch.Request(launch.LaunchConfig(model=preset, overrides=overrides, engine="offload"),
+                           RunConfig(steps=FLAGS.steps + 1), data={"seq_len": seq})
+  printed = io.StringIO()  # what train.py prints of its choices: recorded with the result
+  with contextlib.redirect_stdout(printed):
+    configs = launch.resolve(request)
+    one_device = make_mesh({"data": 1, "fsdp": 1}, jax.devices()[:1])
+    model_cfg, data_cfg, optim_cfg, engine_cfg = launch.choose_engine(request, configs, one_device)
+  print(printed.getvalue(), end="", flush=True)
+  engine = launch.offload_engine(build(model_cfg), optim_cfg, engine_cfg)
+  result = run_engine(name, engine, batch_of(data_cfg.batch_size, seq, model_cfg.vocab_size), FLAGS.steps, key)
+  keep({**result, "optimizer": optim_cfg.describe(), "launch_output": printed.getvalue().splitlines()})
+
+
+def check_flags():
+  """app.UsageError naming the first flag with a value this benchmark does not know."""
+  for name, known in (("cases", CASES), ("fits_cases", FITS_CASES), ("trace_cases", ENGINE_CASES)):
+    unknown = sorted(set(FLAGS[name].value) - set(known))
+    if unknown:
+      raise app.UsageError(f"--{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+  if FLAGS.steps < 1:
+    raise app.UsageError(f"--steps must be >= 1, got {FLAGS.steps}")
+  if FLAGS.merge and not FLAGS.out:
+    raise app.UsageError("--merge keeps the results of --out: give --out")
 
 
 def main(argv):
   del argv
+  check_flags()
   key = jax.random.key(0)
-  optimizer = optax.adamw(1e-4, weight_decay=0.1)
-  seq = SMOKE_SEQ if FLAGS.smoke else FLAGS.seq_len
+  seq = seq_len()
+  RESULTS.extend(earlier_results(seq))
   if "big" in FLAGS.cases:
-    model = model_of("llama13b", [])
-    rows = SMOKE_ROWS if FLAGS.smoke else FLAGS.big_batch
-    budget = dataclasses.replace(default_budget(), host_bytes=int(FLAGS.host_memory_gib * GIB))
-    plan = planner.make_plan(model, seq, rows, budget)
-    print(plan.describe(), flush=True)
-    result = run_engine("big/llama13b", model, optimizer, plan.engine, batch_of(rows, seq, model.cfg.vocab_size),
-                        FLAGS.steps, key)
-    result.update(plan=plan.describe(), predicted_compute_s=plan.compute_seconds,
-                  predicted_transfer_s=plan.transfer_seconds)
-    keep(result)
+    big_case(seq, key)
+  if "big_clip" in FLAGS.cases:
+    as_train_py_case("big_clip", "llama13b", seq, key)
+  if "llama7b" in FLAGS.cases:
+    as_train_py_case("llama7b", "llama7b", seq, key)
   if "fits" in FLAGS.cases:
     model = model_of(FLAGS.fits_model, [] if FLAGS.smoke else FLAGS.fits_set)
-    fits_cases(model, optimizer, SMOKE_ROWS if FLAGS.smoke else FLAGS.fits_batch, seq, FLAGS.steps, key)
+    fits_cases(model, TRAINING_SMOKE_ROWS if FLAGS.smoke else FLAGS.fits_batch, seq, FLAGS.steps, key)
 
 
 RESULTS = []
 
 
-def keep(result):
-  """Records a case and rewrites the JSON, so a crash or time-out later keeps what ran."""
-  RESULTS.append(result)
-  results = RESULTS
-  seq = SMOKE_SEQ if FLAGS.smoke else FLAGS.seq_len
-  by_case = {r["case"]: r for r in results}
-  ratios = {}
-  if "fits/engine" in by_case and "fits/device" in by_case:
-    ratios["engine_over_all_on_device"] = by_case["fits/engine"]["tokens_per_s"] / by_case["fits/device"]["tokens_per_s"]
+def earlier_results(seq: int) -> list[dict]:
+  """--merge: the results in --out (when it exists) of the cases this run does not run. app.UsageError when they
+  were measured on another device or sequence length."""
+  if not (FLAGS.merge and os.path.exists(FLAGS.out)):
+    return []
+  with open(FLAGS.out) as f:
+    earlier = json.load(f)
+  here = (jax.devices()[0].device_kind, seq)
+  if (earlier["device"], earlier["seq_len"]) != here:
+    raise app.UsageError(f"--merge: {FLAGS.out} holds results on {earlier['device']} at seq_len {earlier['seq_len']}, "
+                         f"this run is on {here[0]} at seq_len {seq}")
+  return [r for r in earlier["results"] if r["case"].split("/")[0] not in FLAGS.cases]
+
+
+def ratios(results: list[dict]) -> dict:
+  tokens = {r["case"]: r["tokens_per_s"] for r in results if "tokens_per_s" in r}
+  out = {}
+  devices = [case for case in ("fits/device_remat", "fits/device_no_remat") if case in tokens]
+  if "fits/engine" in tokens and devices:
+    best = max(devices, key=tokens.get)
+    out.update({"fits/engine_over_best_device": tokens["fits/engine"] / tokens[best], "fits/best_device": best})
+  if "fits/engine" in tokens and "fits/device_remat" in tokens:  # as earlier files, whose device step had remat
+    out["engine_over_all_on_device"] = tokens["fits/engine"] / tokens["fits/device_remat"]
   for baseline in ("fits/per_micro_batch", "fits/in_jit_scan"):
-    if baseline in by_case and "tokens_per_s" in by_case[baseline] and "fits/streamed" in by_case:
-      ratios[f"streamed_engine_over_{baseline.split('/')[1]}"] = (
-          by_case["fits/streamed"]["tokens_per_s"] / by_case[baseline]["tokens_per_s"])
-  write_results(FLAGS.out, {**provenance(), "peak_flops": peak_flops(), "seq_len": seq, "results": results,
-                            "ratios": ratios})
-  return result
+    if baseline in tokens and "fits/streamed" in tokens:
+      out[f"streamed_engine_over_{baseline.split('/')[1]}"] = tokens["fits/streamed"] / tokens[baseline]
+  return out
+
+
+def keep(result):
+  """Records a case (with this run's command and date: --merge keeps results of several runs) and rewrites the JSON,
+  so a crash or time-out later keeps what ran."""
+  facts = provenance()
+  RESULTS.append({**result, "command": facts["command"], "date": facts["date"]})
+  write_results(FLAGS.out, {**facts, "peak_flops": peak_flops(), "seq_len": seq_len(), "results": RESULTS,
+                            "ratios": ratios(RESULTS)})
 
 
 if __name__ == "__main__":
