@@ -29,29 +29,52 @@ LARGEST_GAPS = 5  # the summary lists this many of the longest
 SMOKE_TRACE = {"traceEvents": [
     {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
     {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
-    {"ph": "X", "pid": 1, "name": "fusion", "ts": 0, "dur": 100},
-    {"ph": "X", "pid": 1, "name": "gemm", "ts": 150, "dur": 50},
-    {"ph": "X", "pid": 1, "name": "gemm", "ts": 350, "dur": 50},
-    {"ph": "X", "pid": 1, "name": "MemcpyH2D", "ts": 50, "dur": 70},
-    {"ph": "X", "pid": 1, "name": "MemcpyD2H", "ts": 180, "dur": 10},
-    {"ph": "X", "pid": 2, "name": "MemcpyH2D", "ts": 0, "dur": 500},
+    {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+    {"ph": "X", "pid": 1, "tid": 7, "name": "fusion", "ts": 0, "dur": 100},
+    {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 150, "dur": 50},
+    {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 350, "dur": 50},
+    {"ph": "X", "pid": 1, "tid": 8, "name": "MemcpyH2D", "ts": 50, "dur": 70},
+    {"ph": "X", "pid": 1, "tid": 8, "name": "MemcpyD2H", "ts": 180, "dur": 10},
+    {"ph": "X", "pid": 2, "tid": 1, "name": "MemcpyH2D", "ts": 0, "dur": 500},
 ]}
+
+
+def _gpu_pids(trace: dict) -> set:
+  return {e["pid"] for e in trace["traceEvents"]
+          if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in e["args"]["name"]}
+
+
+def _lane(event) -> str | None:
+  """Which lane a GPU event is in: a copy's direction, compute for any other kernel, None for memsets and copies on
+  the device."""
+  lane = {"MemcpyH2D": "host_to_device", "MemcpyD2H": "device_to_host"}.get(event["name"])
+  if lane is None and not event["name"].startswith(("Memset", "MemcpyD2D")):
+    lane = "compute"
+  return lane
 
 
 def lanes(trace: dict) -> dict[str, list[tuple[float, float]]]:
   """GPU intervals in microseconds: kernels (compute), MemcpyH2D, MemcpyD2H."""
-  gpu = {e["pid"] for e in trace["traceEvents"]
-         if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in e["args"]["name"]}
+  gpu = _gpu_pids(trace)
   out = {"compute": [], "host_to_device": [], "device_to_host": []}
   for e in trace["traceEvents"]:
-    if e.get("ph") != "X" or e["pid"] not in gpu:
-      continue
-    lane = {"MemcpyH2D": "host_to_device", "MemcpyD2H": "device_to_host"}.get(e["name"])
-    if lane is None and not e["name"].startswith(("Memset", "MemcpyD2D")):
-      lane = "compute"
-    if lane:
-      out[lane].append((e["ts"], e["ts"] + e["dur"]))
+    if e.get("ph") == "X" and e["pid"] in gpu and _lane(e):
+      out[_lane(e)].append((e["ts"], e["ts"] + e["dur"]))
   return out
+
+
+def compute_threads(trace: dict) -> dict[str, float]:
+  """Seconds of compute per GPU trace line (thread): each should be a stream ("Stream #N(...)"), not a line of
+  spans that cover whole programs, which would count their idle gaps as busy."""
+  gpu = _gpu_pids(trace)
+  names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+           if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpu}
+  per_thread = {}
+  for e in trace["traceEvents"]:
+    if e.get("ph") == "X" and e["pid"] in gpu and _lane(e) == "compute":
+      per_thread.setdefault(names.get((e["pid"], e.get("tid")), str(e.get("tid"))), []).append(
+          (e["ts"], e["ts"] + e["dur"]))
+  return {name: sum(end - start for start, end in union(intervals)) / 1e6 for name, intervals in per_thread.items()}
 
 
 def union(intervals):
@@ -101,7 +124,7 @@ def summarize(trace: dict) -> tuple[dict, dict, float]:
   return {"span_s": (end - start) / 1e6, "busy_s": busy, "copy_s": copy_seconds, "copy_hidden_by_compute_s": hidden,
           "copy_hidden_fraction": hidden / copy_seconds if copy_seconds else None,
           "compute_fraction_of_span": busy["compute"] * 1e6 / (end - start),
-          **idle_gaps(merged["compute"], start, end)}, merged, start
+          **idle_gaps(merged["compute"], start, end), "compute_threads": compute_threads(trace)}, merged, start
 
 
 def newest_trace(path: str) -> str:

@@ -115,6 +115,7 @@ def test_trace_overlap_smoke_finds_the_copies_hidden_by_compute_and_the_idle_gap
   assert result["copy_hidden_fraction"] == pytest.approx(60 / 80) and result["span_s"] == pytest.approx(400e-6)
   assert result["compute_fraction_of_span"] == pytest.approx(0.5) and result["idle_s"] == pytest.approx(200e-6)
   assert result["idle_gaps_over_100us"] == 1
+  assert result["compute_threads"] == {"Stream #7(Compute)": pytest.approx(200e-6)}  # the copies' line is not compute
   assert result["largest_idle_gaps"] == [{"ms": pytest.approx(0.15), "at_ms": pytest.approx(0.2)},
                                          {"ms": pytest.approx(0.05), "at_ms": pytest.approx(0.1)}]
 
