@@ -60,7 +60,8 @@ from sljax.schedule import Engine
 from sljax.trainer import RunConfig
 
 # The pinned pool is capped above the plan's default --host_memory_gib: uncapped, it grows by doubling past what the
-# 128 GiB machine has. On that machine it is also the cap train.py sets (sljax.launch.set_pinned_pool).
+# 128 GiB machine has. (train.py caps it at the default host budget, about 94 GiB there, which big_clip and llama7b
+# plan for: the cap bounds the pool's growth, not the plan.)
 set_xla_memory(pinned_pool_gib=96)
 
 CASES = ("big", "big_clip", "llama7b", "fits")
@@ -83,8 +84,8 @@ flags.DEFINE_list("trace_cases", "big", f"Engine cases ({', '.join(ENGINE_CASES)
                   "gpu_busy_fraction and the idle gaps of that step.")
 flags.DEFINE_string("trace_dir", "", "Keep the traces (jax.profiler, perfetto) here (default: a temporary directory, "
                     "removed once read).")
-flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan of big and fits may use (below XLA's pinned "
-                   "pool limit; big_clip and llama7b take train.py's default host budget).")
+flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan of big may use (below XLA's pinned pool "
+                   "limit; the others plan for the default host budget, as train.py does).")
 FLAGS = flags.FLAGS
 
 
@@ -233,7 +234,7 @@ def in_jit_scan_step(model, optimizer, place: Placement):
 
 
 def device_case(name, model, optimizer, batch, steps, key):
-  params = jax.jit(model.init)(key)  # eagerly, flax's init runs op by op
+  params = jax.jit(model.init)(key)  # jitted: eagerly, flax's init runs op by op
   state = {"params": params, "opt": optimizer.init(params)}
   del params
   seconds, times, losses, _ = timed(all_on_device_step(model, optimizer), state, batch, steps)
@@ -319,11 +320,13 @@ def as_train_py_case(name, preset, seq, key):
   request = launch.Request(launch.LaunchConfig(model=preset, overrides=overrides, engine="offload"),
                            RunConfig(steps=FLAGS.steps + 1), data={"seq_len": seq})
   printed = io.StringIO()  # what train.py prints of its choices: recorded with the result
-  with contextlib.redirect_stdout(printed):
-    configs = launch.resolve(request)
-    one_device = make_mesh({"data": 1, "fsdp": 1}, jax.devices()[:1])
-    model_cfg, data_cfg, optim_cfg, engine_cfg = launch.choose_engine(request, configs, one_device)
-  print(printed.getvalue(), end="", flush=True)
+  try:
+    with contextlib.redirect_stdout(printed):
+      configs = launch.resolve(request)
+      one_device = make_mesh({"data": 1, "fsdp": 1}, jax.devices()[:1])
+      model_cfg, data_cfg, optim_cfg, engine_cfg = launch.choose_engine(request, configs, one_device)
+  finally:
+    print(printed.getvalue(), end="", flush=True)
   engine = launch.offload_engine(build(model_cfg), optim_cfg, engine_cfg)
   result = run_engine(name, engine, batch_of(data_cfg.batch_size, seq, model_cfg.vocab_size), FLAGS.steps, key)
   keep({**result, "optimizer": optim_cfg.describe(), "launch_output": printed.getvalue().splitlines()})
@@ -372,6 +375,9 @@ def earlier_results(seq: int) -> list[dict]:
   if (earlier["device"], earlier["seq_len"]) != here:
     raise app.UsageError(f"--merge: {FLAGS.out} holds results on {earlier['device']} at seq_len {earlier['seq_len']}, "
                          f"this run is on {here[0]} at seq_len {seq}")
+  if not all("command" in r for r in earlier["results"]):  # written by an earlier version: its cases are stale
+    raise app.UsageError(f"--merge: {FLAGS.out} holds results that do not say which run made them (an earlier "
+                         f"version wrote it): run its first case without --merge")
   return [r for r in earlier["results"] if r["case"].split("/")[0] not in FLAGS.cases]
 
 
