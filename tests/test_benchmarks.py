@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+from benchmarks.common import TRAINING_SMOKE
+from models.presets import get_config
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -128,6 +131,11 @@ def test_kernel_ceiling_smoke_times_the_three_kernels(tmp_path):
   # Four layers x four sub-batches of each kernel make the step.
   assert result["step_s_full_recompute"] == pytest.approx(
       16e-3 * (result["forward_ms"] + result["recompute_backward_ms"]))
+  # The step's model FLOPs (the head's too, as the step's MFU counts them) over that time at the device's peak.
+  cfg = get_config("llama13b", TRAINING_SMOKE)
+  step_flops = result["rows"] * result["seq_len"] * result["sub_batches"] * cfg.flops_per_token(result["seq_len"])
+  assert result["ceiling_mfu_full_recompute"] == pytest.approx(
+      step_flops / (result["step_s_full_recompute"] * result["peak_flops"]))
   # The same time counted with the recomputed forward (CPU timings are too noisy to order the two steps).
   assert 0 < result["ceiling_mfu_full_recompute"] < result["ceiling_hfu_full_recompute"]
   assert result["ceiling_mfu_residuals_kept"] > 0
