@@ -317,8 +317,10 @@ def as_train_py_case(name, preset, seq, key):
   """The engine as `python train.py --model=<preset> --engine=offload --seq_len=<seq>` builds it: sljax.launch's
   recipe, plan (batch, placement, first-moment dtype, for the default host budget) and optimizer, on one device."""
   overrides = tuple(f"{field}={value}" for field, value in TRAINING_SMOKE.items()) if FLAGS.smoke else ()
+  # Smoke: one row, where the plan would fill a sub-batch of 16384 tokens (512 rows of 32).
+  data = {"seq_len": seq, **({"batch_size": TRAINING_SMOKE_ROWS} if FLAGS.smoke else {})}
   request = launch.Request(launch.LaunchConfig(model=preset, overrides=overrides, engine="offload"),
-                           RunConfig(steps=FLAGS.steps + 1), data={"seq_len": seq})
+                           RunConfig(steps=FLAGS.steps + 1), data=data)
   printed = io.StringIO()  # what train.py prints of its choices: recorded with the result
   try:
     with contextlib.redirect_stdout(printed):

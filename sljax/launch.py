@@ -328,6 +328,7 @@ class StepFunctions(NamedTuple):
   step: typing.Callable  # (state, batch) -> (state, loss); may donate state
   abstract: typing.Callable  # key -> state of jax.ShapeDtypeStruct with shardings
   skips_bad_steps: bool
+  settle: typing.Callable = lambda state: state  # state -> the state with its deferred updates applied
 
 
 def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.Device | None = None,
@@ -379,7 +380,7 @@ def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
   # A non-finite loss leaves its state unchanged; a non-finite gradient too when clipping (the updates then wait for
   # the global norm). Without clipping, updates stream out before the whole gradient is known: rewind instead.
   return StepFunctions(engine.init, engine.from_params, engine.step, engine.abstract_state,
-              skips_bad_steps=optim_cfg.grad_clip_norm > 0)
+                       skips_bad_steps=optim_cfg.grad_clip_norm > 0, settle=engine.settle)
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------

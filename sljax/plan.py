@@ -8,6 +8,7 @@ memory comes from XLA's compiled memory analysis of the group steps, not from a 
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,19 +17,28 @@ import optax
 from models.presets import build, get_config
 from sljax.machines import GIB, REFERENCE, Budget, Machine, rates_of
 from sljax.memory import tree_bytes
-from sljax.schedule import Engine, EngineConfig
+from sljax.schedule import UPDATES_IN_FLIGHT, Engine, EngineConfig, state_on_device
 from sljax.sizes import model_sizes
 
-# A step is compute-bound "with a margin" when its predicted compute is at least this many times the copies that must
-# hide behind it plus the copies that cannot: on the H200 only 64% of the copy time hid behind compute in the traced
-# llama13b step (shared/DESIGN.md section 5), so the copies are given twice their time.
+# A step is compute-bound "with a margin" when its predicted compute is at least this many times its copies: on the
+# H200 only 64% of the copy time hid behind compute in the traced llama13b step (shared/DESIGN.md section 5), so the
+# copies are given twice their time. Each pass (forward; backward) must also hide its own copies at least once over.
 COMPUTE_MARGIN = 2.0
 MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
+SUB_BATCH_TOKENS = 16384  # tokens per sub-batch call the plan aims at: enough to keep the GPU's matmuls at speed
 
 # The one measurement of a compiled step's peak on a GPU: llama13b, one layer per group, a sub-batch of 8 x 2048 rows:
 # 8.5 GiB on the H200 ("compiled step peak" in the plans of benchmarks/results/train_throughput_h200.json and
 # train_scaling*_h200x2.json, printed to 0.1 GiB). See gpu_peak_from_cpu.
 GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(8.5 * GIB)
+
+
+class Phase(NamedTuple):
+  """One pass of a step: its compute and the copies that must hide behind it."""
+
+  compute_seconds: float  # predicted, at the machine's layer efficiency of its peak
+  host_to_device_bytes: int
+  device_to_host_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,35 +47,46 @@ class Plan:
   sub_batch_size: int
   device_bytes: dict  # what sits on the device, by kind
   host_bytes: dict  # what sits in pinned host memory, by kind
-  host_to_device_bytes: int  # per step
-  device_to_host_bytes: int
-  compute_seconds: float  # predicted, at the machine's layer efficiency of its peak
+  # The forward pass and the backward pass (recompute + backward: three times the forward's compute) of a step.
+  # Copies overlap the compute of their own pass only: a host group's update traffic runs in the backward, or
+  # (clipping: every update waits for the global norm) in the next step's forward, before the group's weights are read.
+  phases: dict[str, Phase]
   budget: Budget
   fsdp: int = 1  # devices each group's state is split over
   machine: Machine = REFERENCE  # whose rates the times are predicted at
-  # Of the bytes per step, those that cross after the backward with no compute left to hide behind: with clipping,
-  # every host group's update waits for the global norm (its parked gradient and state in, new state and weights out).
-  tail_to_device_bytes: int = 0
-  tail_to_host_bytes: int = 0
+
+  @property
+  def compute_seconds(self) -> float:
+    return sum(phase.compute_seconds for phase in self.phases.values())
+
+  @property
+  def host_to_device_bytes(self) -> int:  # per step
+    return sum(phase.host_to_device_bytes for phase in self.phases.values())
+
+  @property
+  def device_to_host_bytes(self) -> int:
+    return sum(phase.device_to_host_bytes for phase in self.phases.values())
+
+  def copy_seconds(self, phase: Phase) -> float:
+    """Each direction at its own rate, both together at most at the machine's combined rate."""
+    m = self.machine
+    return max(phase.host_to_device_bytes / m.copy_bytes_per_s, phase.device_to_host_bytes / m.copy_to_host_bytes_per_s,
+               (phase.host_to_device_bytes + phase.device_to_host_bytes) / m.copy_both_bytes_per_s)
 
   @property
   def transfer_seconds(self) -> float:
-    """Copies that overlap compute (each direction has its own rate)."""
-    return max(self.host_to_device_bytes - self.tail_to_device_bytes,
-               self.device_to_host_bytes - self.tail_to_host_bytes) / self.machine.copy_bytes_per_s
-
-  @property
-  def exposed_seconds(self) -> float:
-    return (self.tail_to_device_bytes + self.tail_to_host_bytes) / self.machine.copy_bytes_per_s
+    """The copies' time, pass by pass."""
+    return sum(self.copy_seconds(phase) for phase in self.phases.values())
 
   @property
   def step_seconds(self) -> float:
-    return max(self.compute_seconds, self.transfer_seconds) + self.exposed_seconds
+    return sum(max(phase.compute_seconds, self.copy_seconds(phase)) for phase in self.phases.values())
 
   @property
   def compute_bound(self) -> bool:
-    """Compute at least COMPUTE_MARGIN times the copies, the hidden and the exposed ones."""
-    return self.compute_seconds >= COMPUTE_MARGIN * (self.transfer_seconds + self.exposed_seconds)
+    """Compute at least COMPUTE_MARGIN times the copies over the step, and at least the copies in every pass."""
+    return self.compute_seconds >= COMPUTE_MARGIN * self.transfer_seconds and all(
+        phase.compute_seconds >= self.copy_seconds(phase) for phase in self.phases.values())
 
   @property
   def rows(self) -> int:
@@ -73,8 +94,6 @@ class Plan:
 
   def describe(self) -> str:
     e = self.engine
-    exposed = (f", clipping's updates after the backward {self.exposed_seconds:.2f} s (exposed)"
-               if self.tail_to_device_bytes or self.tail_to_host_bytes else "")
     rows = [
         f"sub-batches {e.sub_batches} x {self.sub_batch_size} rows, {e.live_layers} layer(s) per group, "
         f"activations {'in pinned host memory' if e.activations_on_host else 'on the device'}, "
@@ -84,8 +103,10 @@ class Plan:
         _tier("host", self.host_bytes, self.budget.host_bytes),
         f"per step: {self.host_to_device_bytes / GIB:.1f} GiB host->device, "
         f"{self.device_to_host_bytes / GIB:.1f} GiB device->host",
-        f"step time bound: compute {self.compute_seconds:.2f} s, transfer {self.transfer_seconds:.2f} s{exposed} "
-        f"-> {'compute' if self.compute_seconds >= self.transfer_seconds else 'transfer'}-bound",
+        "step time bound: " + ", ".join(
+            f"{name} compute {phase.compute_seconds:.2f} s vs copies {self.copy_seconds(phase):.2f} s"
+            for name, phase in self.phases.items())
+        + f" -> {'compute' if self.compute_bound else 'transfer'}-bound",
     ]
     return "\n".join(rows)
 
@@ -148,7 +169,7 @@ def optimizer_bytes_per_param(optimizer: optax.GradientTransformation, dtype=jnp
 
 def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches: int = 0, live_layers: int = 0,
               optimizer: optax.GradientTransformation | None = None, grad_clip_norm: float = 0.0,
-              sub_batch_tokens: int = 16384, fsdp: int = 1, target: Machine | None = None) -> Plan:
+              sub_batch_tokens: int = SUB_BATCH_TOKENS, fsdp: int = 1, target: Machine | None = None) -> Plan:
   """Chooses the engine's settings for one device; 0 for sub_batches / live_layers means "choose". ValueError when it
   cannot fit.
 
@@ -182,6 +203,10 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   if target is not None and local.platform == "cpu":
     peak = gpu_peak_from_cpu(peak)
   machine = target or rates_of(local.device_kind)
+  # Clipping by the exact global norm holds every group's reduced gradient until the next step's forward updates the
+  # group: a group whose state lives on the device parks it there, a host group in pinned host memory (a crossing
+  # each way).
+  parked = live * layer * 4 // fsdp if grad_clip_norm > 0 else 0
   fixed_device = {
       # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
       # per step) and the per-device gradient accumulator.
@@ -192,14 +217,12 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
       # In backward one group's gradients accumulate (whole, on every device) while the next group's wait, reduced to
       # this device's shard, for its deferred update.
       "group grads (2)": live * layer * 4 + live * layer * 4 // fsdp,
-      # That deferred update holds the group's state and writes the new state while the next group's state arrives.
-      "group state in update (3)": 3 * state_per_group,
+      # That deferred update holds the group's state and writes the new state while the next group's arrives; the
+      # engine lets UPDATES_IN_FLIGHT host groups' state (with clipping, and their parked gradients) be on the device.
+      "group state in update (3)": max(3 * state_per_group, UPDATES_IN_FLIGHT * (state_per_group + parked)),
       "activations in flight": 3 * (batch_size // sub_batch) * act,  # a group's inputs, outputs, gradients
       "compiled step peak": peak,
   }
-  # Clipping by the exact global norm holds every group's reduced gradient until the last one is known: a group whose
-  # state lives on the device parks it there, a host group in pinned host memory (a crossing each way).
-  parked = live * layer * 4 // fsdp if grad_clip_norm > 0 else 0
   free = budget.device_bytes - sum(fixed_device.values())
   if free < 0:
     raise ValueError(f"{sum(fixed_device.values()) / GIB:.1f} GiB of device memory is needed for one group's step "
@@ -231,34 +254,41 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
            if parked else ""))
 
   shard = weights_per_group // fsdp  # one host group's weight copy on this device
-  # A host group's weights cross twice (forward, backward) but the last group's once (it runs both in one pass);
-  # the updated copy goes back once. Each group's input but the last's is stashed and fetched back once per step
-  # (one hidden state per row: a level). The token batch (a few bytes per token) is left out.
+  # A host group's weights cross for the forward and for the backward, but the last group's once (it runs both in
+  # one pass); its update brings its state in and sends the new state and weight copy out. With clipping the update
+  # waits for the next step's forward: the parked gradient (sent out in the backward) comes back with the state, and
+  # that forward takes the weights from the new master weights instead of fetching them. Each group's input but the
+  # last's is stashed in the forward and fetched back in the backward (one hidden state per row: a level). The
+  # token batch (a few bytes per token) is left out.
   level = sizes.activation_bytes(batch_size, seq_len) if on_host else 0
-  crossings = 2 * host_groups - (1 if host_groups == groups else 0)
-  h2d = crossings * shard + host_groups * (state_per_group + parked) + (groups - 1) * level
-  d2h = host_groups * (shard + state_per_group + parked) + (groups - 1) * level
-  tokens = batch_size * seq_len
-  flops = tokens * sizes.flops_per_token(seq_len) * 4 / 3  # backward recomputes each group's forward
+  backward_weights = (host_groups - (not state_on_device(groups, device_groups)[-1])) * shard
+  update_in, update_out = host_groups * (state_per_group + parked), host_groups * (state_per_group + shard)
+  stash = (groups - 1) * level
+  forward_flops = batch_size * seq_len * sizes.flops_per_token(seq_len) / 3  # a third of a layer's training FLOPs
+  seconds = lambda flops: flops / (machine.peak_flops * machine.layer_efficiency)
+  if parked:
+    phases = {"forward": Phase(seconds(forward_flops), update_in, update_out + stash),
+              "backward": Phase(seconds(3 * forward_flops), backward_weights + stash, host_groups * parked)}
+  else:
+    phases = {"forward": Phase(seconds(forward_flops), host_groups * shard, stash),
+              "backward": Phase(seconds(3 * forward_flops), backward_weights + update_in + stash, update_out)}
   return Plan(
       engine=dataclasses.replace(cfg, activations_on_host=on_host, device_state_groups=device_groups), fsdp=fsdp,
-      sub_batch_size=sub_batch, device_bytes=device_bytes, host_bytes=host_bytes, host_to_device_bytes=h2d,
-      device_to_host_bytes=d2h, compute_seconds=flops / (machine.peak_flops * machine.layer_efficiency),
-      budget=budget, machine=machine,
-      # Clipping: after the backward each host group's parked gradient and state come in, its state and weights
-      # go out, with no compute left to overlap (the parked gradients went out during the backward).
-      tail_to_device_bytes=host_groups * (state_per_group + parked) if parked else 0,
-      tail_to_host_bytes=host_groups * (state_per_group + shard) if parked else 0)
+      sub_batch_size=sub_batch, device_bytes=device_bytes, host_bytes=host_bytes, phases=phases, budget=budget,
+      machine=machine)
 
 
 def plan_batch(model, seq_len: int, budget: Budget, devices: int = 1, max_rows: int = MAX_ROWS, **plan_args
                ) -> tuple[Plan, str]:
-  """The plan for the smallest batch whose step is compute-bound (Plan.compute_bound), and one line saying why.
+  """The plan for the smallest batch whose step is compute-bound (Plan.compute_bound) and fills at least one
+  sub-batch of `sub_batch_tokens` (fewer tokens per call leave the GPU's matmuls short of their speed, even with
+  nothing to copy), and one line saying why.
 
   Rows per device are tried in powers of two (times the sub-batch count when plan_args fixes it) up to max_rows,
-  until one is compute-bound or the next does not fit; when none is, the largest that fits. devices: the mesh size
-  (the batch is rows x devices). plan_args go to make_plan. ValueError when not even the smallest fits."""
+  until one is such or the next does not fit; when none is, the largest that fits. devices: the mesh size (the
+  batch is rows x devices). plan_args go to make_plan. ValueError when not even the smallest fits."""
   rows, plans = max(plan_args.get("sub_batches", 0), 1), []
+  full_sub_batch = plan_args.get("sub_batch_tokens", SUB_BATCH_TOKENS)
   while rows <= max_rows:
     try:
       plans.append(make_plan(model, seq_len, rows, budget, **plan_args))
@@ -266,16 +296,18 @@ def plan_batch(model, seq_len: int, budget: Budget, devices: int = 1, max_rows: 
       if not plans:
         raise
       break
-    if plans[-1].compute_bound:
+    if plans[-1].compute_bound and rows * seq_len >= full_sub_batch:
       break
     rows *= 2
   plan = plans[-1]
-  step = lambda p: (f"compute {p.compute_seconds:.2f} s vs copies {p.transfer_seconds:.2f} s"
-                    + (f" + {p.exposed_seconds:.2f} s exposed" if p.exposed_seconds else ""))
+  step = lambda p: ", ".join(f"{name} compute {phase.compute_seconds:.2f} s vs copies {p.copy_seconds(phase):.2f} s"
+                             for name, phase in p.phases.items())
   batch = f"batch {plan.rows * devices} ({plan.rows} rows x {devices} device(s))"
-  if plan.compute_bound:
-    smaller = f"; {plans[-2].rows} rows: {step(plans[-2])}" if len(plans) > 1 else ""
-    return plan, (f"{batch}: the smallest whose step is compute-bound ({step(plan)}, margin {COMPUTE_MARGIN:g}x)"
-                  f"{smaller}")
   why = "the next does not fit" if rows <= max_rows else f"{max_rows} rows is the most tried"
+  if plan.compute_bound and plan.rows * seq_len >= full_sub_batch:
+    smaller = f"; {plans[-2].rows} rows: {step(plans[-2])}" if len(plans) > 1 else ""
+    return plan, (f"{batch}: the smallest whose step is compute-bound ({step(plan)}, margin {COMPUTE_MARGIN:g}x) "
+                  f"with at least {full_sub_batch} tokens{smaller}")
+  if plan.compute_bound:
+    return plan, f"{batch}: the largest that fits ({why}), short of {full_sub_batch} tokens ({step(plan)})"
   return plan, f"{batch}: none is compute-bound, this is the largest that fits ({why}; {step(plan)})"

@@ -53,11 +53,28 @@ class EngineConfig:
   grad_clip_norm: float = 0.0  # > 0: clip by the global norm over all params (exact: updates wait for all grads)
   activations_on_host: bool = True  # stash group-boundary hidden states in pinned host memory for the backward pass
   int8_exchange: bool = False  # stash them as int8 with one scale per row: half the bytes of bf16, not exact
-  device_state_groups: int = 0  # groups (counted from the last) whose master weights + optimizer state stay on device
+  device_state_groups: int = 0  # groups whose master weights + optimizer state stay on device (see state_on_device)
 
 
 # Replaced host buffers are freed this many retirements (about two layer groups) after their last copy was issued.
 RETIRE_LAG = 4
+# Host groups whose state may be on the device for an update at once: the one being written back while the next
+# arrives. Python dispatches far ahead of the device, so without this bound every host group's state would be
+# brought in at once (on the H200 llama13b ran out of device memory so in the forward that applies clipped updates).
+UPDATES_IN_FLIGHT = 2
+# With clipped updates parked, a group's state (and parked gradient) is brought in this many groups before its
+# forward: one group's forward (4 x 16 ms for llama13b) is shorter than a host group's 4.6 GB copy (86 ms), which on
+# the H200 left the GPU idle before each host group.
+STATE_LEAD = 3
+
+
+def state_on_device(groups: int, device_groups: int) -> list[bool]:
+  """Which groups keep their state on the device: the host groups spread evenly among them, never the first or the
+  last while a device group is left for it, so that each host group's update traffic (its state in and out, once per
+  step) overlaps the compute of the device groups around it instead of piling up at one end of the pass."""
+  host = groups - max(0, min(device_groups, groups))
+  on_host = {(i + 1) * groups // (host + 1) for i in range(host)} if host < groups else set(range(groups))
+  return [g not in on_host for g in range(groups)]
 
 
 def _add(acc, grads):
@@ -102,8 +119,9 @@ class Engine:
     self.model, self.optimizer, self.cfg = model, optimizer, cfg
     self.place = placement or Placement.single()
     self._retired = collections.deque()  # lists of replaced host buffers, oldest first (see _retire)
+    self._written_back = collections.deque()  # host groups' new state as it leaves the device (see _admit)
     self.groups = [(a, min(a + cfg.live_layers, num_layers)) for a in range(0, num_layers, cfg.live_layers)]
-    self.state_on_device = [g >= len(self.groups) - cfg.device_state_groups for g in range(len(self.groups))]
+    self.state_on_device = state_on_device(len(self.groups), cfg.device_state_groups)
     self.compute_dtype = jnp.dtype(model.cfg.dtype)  # of the activations
     layer_shapes = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))
     self.layer_dtypes = layer_compute_dtypes(model, layer_shapes)  # what each leaf of a group runs in
@@ -122,6 +140,7 @@ class Engine:
     self._quantize = local(quantize_rows, (rows,), (rows, rows))
     self._dequantize = local(functools.partial(dequantize_rows, dtype=self.compute_dtype), (rows, rows), rows)
     self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))  # elementwise: runs on the shards
+    self._updated_copy = jax.jit(self._update_fn)  # for params(): leaves the state it reads alone
     # Gradient accumulators: fp32 whatever the compute dtype, a slot per device (leading axis) so that no sub-batch
     # call communicates; placed like the step's outputs so nothing recompiles.
     devices = self.place.mesh.size
@@ -238,9 +257,15 @@ class Engine:
             "outer_opt": self._init_outer_opt(outer), "groups": groups}
 
   def params(self, state: dict) -> dict:
-    """Full-model params, whole on every device (for tests and export; needs the whole model to fit there). New
-    arrays the caller owns: a later `step(state, ...)`, which consumes `state`, leaves them alone."""
-    layers = [self.place.gather(self.place.to_device(group["master"])) for group in state["groups"]]
+    """Full-model params, whole on every device (for tests and export; needs the whole model to fit there), with
+    any parked update applied. New arrays the caller owns: a later `step(state, ...)`, which consumes `state`, leaves them alone."""
+    parked, layers = state.get("parked"), []
+    for g, group in enumerate(state["groups"]):
+      master = self.place.to_device(group["master"])
+      if parked is not None:  # the step's update, applied to copies
+        master, _ = self._updated_copy(master, self.place.to_device(group["opt"]),
+                                       self.place.to_device(parked["grads"][g]), parked["norm"], parked["ok"])
+      layers.append(self.place.gather(master))
     params = {"outer": self.place.gather(state["outer"]),
               "layers": jax.tree.map(lambda *xs: jnp.concatenate(xs), *layers)}
     return jax.tree.map(jnp.copy, params)  # gather and concatenate return their input when there is nothing to do
@@ -267,7 +292,12 @@ class Engine:
     every weight is 0, NaN when the step was skipped).
 
     Consumes `state`: its device arrays are donated and its host buffers freed, so only the returned state may be
-    used afterwards (take `params(state)` before stepping to keep a copy)."""
+    used afterwards (take `params(state)` before stepping to keep a copy).
+
+    With clipping, the layer groups' updates need the global gradient norm, known only after the whole backward. The
+    returned state then holds them parked ("parked": each group's gradient and the norm), and the next step applies
+    group g's just before its forward reads group g's weights, so their copies hide behind that forward. `settle`
+    applies them at once (before a checkpoint); `params` sees them applied."""
     n = self.cfg.sub_batches
     check_batch(batch["inputs"].shape[0], n, self.place.mesh)
     tokens, targets, loss_weights = (  # each sub-batch's rows split over every device
@@ -276,24 +306,28 @@ class Engine:
     # Each sub-batch's weighted sum times 1 / the whole batch's weight, as models.common.LayerMajorModel.loss does.
     inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
 
-    outer, groups = self.place.gather(state["outer"]), state["groups"]  # embeddings + head, whole on every device
+    outer, groups, parked = self.place.gather(state["outer"]), state["groups"], state.get("parked")
     last = len(groups) - 1
-    # Each group's weights cross to the device once forward, once backward; the last group's stay for both.
-    order = list(range(last + 1)) + list(range(last - 1, -1, -1))
-    weight_stream = prefetch([groups[g] for g in order], self._fetch_weights)
+    new_groups = list(groups)
+    # Each group's weights cross to the device once forward, once backward; the last group's stay for both. A group
+    # with a parked update instead brings its state (and parked gradient) in for the forward, and its updated
+    # weights come from the device's new master weights.
+    order = [(g, True) for g in range(last + 1)] + [(g, False) for g in range(last - 1, -1, -1)]
+    stream = prefetch(order, lambda item: self._fetch(*item, new_groups, parked))
+    forward_weights = lambda g: self._settle_group(g, next(stream), new_groups, parked)
 
     # Forward, layer-major. `level` holds the current group's input for every sub-batch on the device; a copy of
     # it is stashed (boundaries[g]) for the backward pass while the group computes.
     level = [self._embed(outer, tokens[s]) for s in range(n)]
     boundaries = []
-    for _ in range(last):
-      w = next(weight_stream)
+    for g in range(last):
+      w = forward_weights(g)
       boundaries.append([self._stash(x) for x in level])
       level = [self._forward(w, x) for x in level]
 
     # The last group: forward, head + loss and backward in one call per sub-batch; nothing to stash.
-    new_groups, parked = list(groups), []
-    w = next(weight_stream)
+    clipping, parked_grads = self.cfg.grad_clip_norm > 0, [None] * len(groups)
+    w = forward_weights(last)
     grads, outer_grads = self._zeros(w), self._zeros(outer)
     losses, cotangents, incoming = [], [], None
     for s, x in enumerate(level):
@@ -302,7 +336,7 @@ class Engine:
       losses.append(loss)
       cotangents.append(dx)
       # The update's state is queued behind the first sub-batch's work, so it never delays a sub-batch's inputs.
-      incoming = incoming or self._fetch_state(groups[last])
+      incoming = incoming or (None if clipping else self._take_state(last, new_groups[last]))
     del level
     # The loss is known before any update: a non-finite step changes nothing (with clipping, nor does a non-finite
     # gradient, since every update then waits for the global norm).
@@ -313,7 +347,7 @@ class Engine:
     # Backward through the other groups in reverse, recomputing each group's forward inside its vjp. The gradient
     # flowing between groups stays on the device; only the stashed inputs come back.
     for g in range(last - 1, -1, -1):
-      w = next(weight_stream)
+      w = next(stream)
       grads, dxs, incoming = self._zeros(w), [], None
       for x, dy in zip(prefetch(boundaries.pop(), self._unstash), cotangents):
         dx, grads = self._backward(w, x, dy, grads)
@@ -322,31 +356,77 @@ class Engine:
           # The group after this one is updated only now, so its state leaves the device behind this group's first
           # inputs, and this group's state comes in behind them: the copy streams carry both directions, and an
           # H200 trace showed each group's inputs waiting behind the previous group's outgoing state otherwise.
-          self._finish_group(*pending, ok, new_groups, parked)
-          pending, incoming = None, self._fetch_state(groups[g])
+          self._finish_group(*pending, ok, new_groups, parked_grads)
+          pending, incoming = None, None if clipping else self._take_state(g, new_groups[g])
       cotangents = dxs
       pending = (g, incoming, self.place.reduce(grads))  # the group's one reduce
-    self._finish_group(*pending, ok, new_groups, parked)
+    self._finish_group(*pending, ok, new_groups, parked_grads)
 
     for s, dh in enumerate(cotangents):
       outer_grads = self._embed_backward(outer, tokens[s], dh, outer_grads)
     outer_grads = self.place.reduce(outer_grads)  # to the shards of the embeddings + head
 
     norm = jnp.zeros((), jnp.float32)
-    if parked:  # clipping: every gradient is known only now, so the parked updates run here
-      norm = jnp.sqrt(sum(sq for *_, sq in parked) + self._sq_norm(outer_grads))
+    if clipping:  # every gradient is known only now: the groups' updates wait for the next step (or `settle`)
+      norm = jnp.sqrt(sum(sq for _, sq in parked_grads) + self._sq_norm(outer_grads))
       ok = ok & jnp.isfinite(norm)
-      for g, incoming, grads, _ in parked:
-        new_groups[g] = self._apply(g, self._take(incoming), self._take(grads), norm, ok)
     new_outer, new_outer_opt = self._update(state["outer"], state["outer_opt"], outer_grads, norm, ok)
     new_state = {"step": state["step"] + ok.astype(jnp.int32), "outer": new_outer, "outer_opt": new_outer_opt,
                  "groups": new_groups}
+    if clipping:
+      new_state["parked"] = {"grads": [grads for grads, _ in parked_grads], "norm": norm, "ok": ok}
     return new_state, jnp.where(ok, loss, jnp.nan)  # NaN tells the caller this step was skipped
 
-  def _fetch_state(self, group: dict):
-    """Starts bringing a group's master weights and optimizer state to the device, ahead of its update."""
-    state = (group["master"], group["opt"])
-    return state if self.cfg.grad_clip_norm > 0 else self._take(state)  # clipping fetches them later
+  def settle(self, state: dict) -> dict:
+    """`state` with the group updates its step parked (clipping) applied: what a checkpoint holds and what
+    `abstract_state` describes. Consumes `state`, like `step`; a state with nothing parked comes back as it is."""
+    parked = state.get("parked")
+    if parked is None:
+      return state
+    groups = list(state["groups"])
+    for g in range(len(groups)):
+      self._settle_group(g, self._fetch(g, True, groups, parked), groups, parked)
+    return {name: value for name, value in state.items() if name != "parked"} | {"groups": groups}
+
+  def _fetch(self, g: int, forward: bool, groups: list, parked: dict | None):
+    """What group g's turn in the step needs on the device, issued ahead of it: its weights, or (forward, with its
+    update parked) its master weights, optimizer state and parked gradient."""
+    if forward and parked is not None:
+      arriving = parked.setdefault("arriving", {})
+      for ahead in range(g, min(g + STATE_LEAD, len(groups))):
+        if ahead not in arriving and parked["grads"][ahead] is not None:
+          self._admit(ahead)
+          # Taken out of the consumed state: a device group's parked gradient is freed once its update has run,
+          # not held (as ~30 GiB for llama13b) through the step that parks the next ones.
+          grads, parked["grads"][ahead] = parked["grads"][ahead], None
+          arriving[ahead] = self._take((groups[ahead]["master"], groups[ahead]["opt"], grads))
+      return arriving.pop(g)
+    return self._fetch_weights(groups[g])
+
+  def _settle_group(self, g: int, fetched, groups: list, parked: dict | None):
+    """Group g's weights for its forward pass; first, when its update is parked, applies it (`fetched`: its state
+    and gradient on the device), replacing groups[g], and takes the weights from the new master weights."""
+    if parked is None:
+      return fetched
+    master, opt_state, grads = fetched
+    master, opt_state = self._update(master, opt_state, grads, parked["norm"], parked["ok"])
+    self._retire(groups[g].get("weights"))  # the old compute copy: its last fetch was the last step's backward
+    groups[g] = self._written(g, self._make_group(g, master, opt_state))
+    return self.place.gather(self._cast(master) if self.separate_weights else master)
+
+  def _take_state(self, g: int, group: dict):
+    """Starts bringing group g's master weights and optimizer state to the device, ahead of its update."""
+    self._admit(g)
+    return self._take((group["master"], group["opt"]))
+
+  def _admit(self, g: int):
+    """Before host group g's state comes to the device: waits until all but UPDATES_IN_FLIGHT - 1 of the host
+    groups updated before it have left it. The wait is for a group two host groups back, so the device still has
+    the groups dispatched since then to run."""
+    if self.state_on_device[g]:
+      return
+    while len(self._written_back) >= UPDATES_IN_FLIGHT:  # a group replaced since then has had its buffers freed
+      jax.block_until_ready([x for x in jax.tree.leaves(self._written_back.popleft()) if not x.is_deleted()])
 
   def _take(self, tree):
     """Moves host-resident state to the device and retires its host buffers (device state moves nowhere)."""
@@ -363,18 +443,28 @@ class Engine:
       for x in self._retired.popleft():
         x.delete()
 
-  def _finish_group(self, g: int, incoming, grads, ok, new_groups: list, parked: list):
-    """Updates group g now that its gradient is complete, or (clipping) parks it until the global norm is known."""
-    self._retire(new_groups[g].get("weights"))  # the old compute copy: its last fetch (for backward) is issued
+  def _finish_group(self, g: int, incoming, grads, ok, new_groups: list, parked_grads: list):
+    """Updates group g now that its gradient is complete, or (clipping) keeps its gradient for the global norm."""
     if self.cfg.grad_clip_norm > 0:
-      stashed = grads if self.state_on_device[g] else self.place.to_host(grads)  # keeps the shards' layout
-      parked.append((g, incoming, stashed, self._sq_norm(grads)))
+      parked_grads[g] = (self._park(g, grads), self._sq_norm(grads))
     else:
+      self._retire(new_groups[g].get("weights"))  # the old compute copy: its last fetch (for backward) is issued
       new_groups[g] = self._apply(g, incoming, grads, jnp.zeros((), jnp.float32), ok)
+
+  def _park(self, g: int, grads):
+    """A parked gradient waits where its group's state lives, in the shards' layout (a host group's leaves the
+    device while the backward goes on)."""
+    return grads if self.state_on_device[g] else self.place.to_host(grads)
 
   def _apply(self, g: int, incoming, grads, norm, ok) -> dict:
     master, opt_state = incoming
-    return self._make_group(g, *self._update(master, opt_state, grads, norm, ok))
+    return self._written(g, self._make_group(g, *self._update(master, opt_state, grads, norm, ok)))
+
+  def _written(self, g: int, group: dict) -> dict:
+    """Notes a host group's new state, whose copies out free the device memory its update held."""
+    if not self.state_on_device[g]:
+      self._written_back.append(group)
+    return group
 
   # ---- the pieces, for other orders of the same calls -----------------------------------------------------------
 

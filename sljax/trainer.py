@@ -72,7 +72,11 @@ class Step(typing.Protocol):
     """(new state, loss); may donate `state`."""
 
   def abstract(self, key: jax.Array) -> typing.Any:
-    """The state as jax.ShapeDtypeStructs with shardings."""
+    """The state as jax.ShapeDtypeStructs with shardings (of a settled state)."""
+
+  def settle(self, state) -> typing.Any:
+    """`state` with every update its step deferred applied (the offload engine parks clipped updates until the next
+    step's forward): what a checkpoint holds. May donate `state`."""
 
 
 def check_workdir(workdir: str):
@@ -192,7 +196,10 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
   progress = tqdm(initial=start, total=run_cfg.steps, unit="step", disable=not lead)
 
   def save(force: bool = False):
-    checkpointer.save(step, state, {**meta, "data_step": step, "skipped_steps": sorted(skipped)}, force)
+    nonlocal state
+    if run_cfg.checkpoint_every and (force or checkpointer.due(step)):  # settling costs the overlap of one step
+      state = engine.settle(state)
+      checkpointer.save(step, state, {**meta, "data_step": step, "skipped_steps": sorted(skipped)}, force)
 
   try:
     with StopSignal() as stop:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from models.presets import build, get_config
 from sljax.memory import HOST
-from sljax.schedule import Engine, EngineConfig, dequantize_rows, quantize_rows
+from sljax.schedule import Engine, EngineConfig, dequantize_rows, quantize_rows, state_on_device
 
 
 def _flat(tree):
@@ -116,6 +116,8 @@ def check_against_reference(overrides, engine_cfg, optimizer_name, seed, dtype, 
     state, loss = engine.step(state, batch)
     got_losses.append(float(loss))
   got_params = engine.params(state)
+  if "parked" in state:  # clipping: the last step's updates wait for the next forward; settling applies the same
+    jax.tree.map(np.testing.assert_array_equal, engine.params(engine.settle(state)), got_params)
 
   np.testing.assert_allclose(got_losses, want_losses, rtol=tolerance)
   if optimizer_name == "sgd":
@@ -178,14 +180,28 @@ def test_state_lives_in_pinned_host_memory_unless_kept_on_device():
   model, engine = tiny_engine(live_layers=1, device_state_groups=1)
   state = engine.init(jax.random.key(0))
   kinds = [{x.sharding.memory_kind for x in jax.tree.leaves(group)} for group in state["groups"]]
-  assert kinds[0] == kinds[1] == {HOST}
-  assert "weights" not in state["groups"][2]  # a device group casts its master on the device instead
-  assert {x.sharding.memory_kind for x in jax.tree.leaves(state["groups"][2]["master"])} == {"device"}
+  assert engine.state_on_device == [True, False, False] and kinds[1] == kinds[2] == {HOST}
+  assert "weights" not in state["groups"][0]  # a device group casts its master on the device instead
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state["groups"][0]["master"])} == {"device"}
   # bf16 compute: the copy that crosses to the device each step has bf16 kernels (norm weights as stored), the
   # master is fp32.
-  copy = {x.ndim: x.dtype for x in jax.tree.leaves(state["groups"][0]["weights"])}
+  copy = {x.ndim: x.dtype for x in jax.tree.leaves(state["groups"][1]["weights"])}
   assert copy == {3: jnp.dtype(jnp.bfloat16), 2: jnp.dtype(jnp.float32)}
-  assert {x.dtype for x in jax.tree.leaves(state["groups"][0]["master"])} == {jnp.dtype(jnp.float32)}
+  assert {x.dtype for x in jax.tree.leaves(state["groups"][1]["master"])} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, 7, 40])
+def test_host_state_groups_are_spread_among_the_device_groups(groups):
+  for device_groups in range(groups + 1):
+    layout = state_on_device(groups, device_groups)
+    assert len(layout) == groups and sum(layout) == device_groups
+    host = [g for g, on_device in enumerate(layout) if not on_device]
+    if 0 < device_groups:
+      assert layout[0]  # the first forward group never waits for its state to arrive
+    if 0 < len(host) < groups - 1:
+      assert layout[-1]
+      device_runs = np.diff([-1, *host, groups]) - 1  # device groups before, between and after the host groups
+      assert device_runs.max() - device_runs.min() <= 1
 
 
 def test_init_equals_model_init():
@@ -201,23 +217,29 @@ def test_batch_not_divisible_by_sub_batches_is_refused():
     engine.step(state, make_batch(np.random.default_rng(0), 4, 8))
 
 
-def test_bytes_moved_per_step_match_the_schedule():
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_bytes_moved_per_step_match_the_schedule(clip):
   """Everything on the host: per step, each group's weights cross twice (the last group's once), its state once each
-  way, and each group's input but the last group's is stashed and fetched back once (see Engine.step)."""
-  model, engine = tiny_engine(sub_batches=2, live_layers=1, grad_clip_norm=0.5)
+  way, and each group's input but the last group's is stashed and fetched back once (see Engine.step). Clipping
+  parks each gradient on the host; the next step brings it in with the group's state for the update before the
+  group's forward, whose weights then come from the new master weights instead of crossing."""
+  model, engine = tiny_engine(sub_batches=2, live_layers=1, grad_clip_norm=clip)
   state = engine.init(jax.random.key(0))
+  group = state["groups"][0]
+  bytes_of = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  weights, group_state = bytes_of(group["weights"]), bytes_of((group["master"], group["opt"]))
+  grads = bytes_of(group["master"]) if clip else 0  # fp32 gradients
   batch = make_batch(np.random.default_rng(0), 4, 8)
+  state, _ = engine.step(state, batch)  # after it, a clipped step's updates are parked
   before = dict(engine.place.moved)
   engine.step(state, batch)
   moved = {k: engine.place.moved[k] - before[k] for k in before}
   groups = len(engine.groups)
-  bytes_of = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-  weights = bytes_of(state["groups"][0]["weights"])  # deleted arrays still know their shapes
-  group_state = bytes_of((state["groups"][0]["master"], state["groups"][0]["opt"]))
-  grads = bytes_of(state["groups"][0]["master"])  # clipping parks fp32 gradients on the host until the norm is known
   level = 4 * 8 * model.cfg.hidden_size * 2  # one bf16 hidden state for the whole batch
   tokens = 3 * 4 * 8 * 4  # inputs, targets, weights
-  assert moved["host_to_device"] == tokens + groups * (2 * weights + group_state + grads) - weights + (groups - 1) * level
+  forward_weights = 0 if clip else groups * weights
+  assert moved["host_to_device"] == (tokens + forward_weights + (groups - 1) * weights + groups * (group_state + grads)
+                                     + (groups - 1) * level)
   assert moved["device_to_host"] == groups * (weights + group_state + grads) + (groups - 1) * level
 
 
