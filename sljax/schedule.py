@@ -10,8 +10,15 @@ One step, top to bottom (see `Engine.step`):
                and out while the next group computes)
   embedding backward per sub-batch; update the embeddings and head
 
-The loop is plain Python that dispatches jitted calls asynchronously; every transfer is issued ahead of its use
-(`sljax.memory.prefetch`), so copies run while the previous item computes. Nothing in it waits for the device.
+With clipping (grad_clip_norm > 0) no group can be updated before the global norm is known, after the whole
+backward: each group's gradient is parked instead (on the device or, for a host group, in pinned host memory) and
+the next step's forward updates group g just before it runs group g, taking W_g from the new master weights; its
+state comes to the device STATE_LEAD groups ahead (`Engine.settle` applies them all at once, for a checkpoint).
+
+Groups whose state lives in host memory are spread among the device groups (`state_on_device`), so that their
+update traffic is spread over the pass that carries it. The loop is plain Python that dispatches jitted calls
+asynchronously; every transfer is issued ahead of its use (`sljax.memory.prefetch`), so copies run while the
+previous item computes. It waits for the device only to keep at most UPDATES_IN_FLIGHT host groups' state there.
 
 Over a mesh (sljax.mesh: axes data x fsdp, d x f = n devices) every sub-batch is split over all n devices, and each
 group's weights, master weights and optimizer state are split over fsdp (each device's pinned host memory holds its
