@@ -126,7 +126,9 @@ class Engine:
     self.model, self.optimizer, self.cfg = model, optimizer, cfg
     self.place = placement or Placement.single()
     self._retired = collections.deque()  # lists of replaced host buffers, oldest first (see _retire)
-    self._written_back = collections.deque()  # host groups' new state as it leaves the device (see _admit)
+    # Host groups' new state as it leaves the device (see _admit); bounded, for callers of `calls.apply` that never
+    # admit (the step always admits before it appends, so nothing is dropped unwaited).
+    self._written_back = collections.deque(maxlen=UPDATES_IN_FLIGHT)
     self.groups = [(a, min(a + cfg.live_layers, num_layers)) for a in range(0, num_layers, cfg.live_layers)]
     self.state_on_device = state_on_device(len(self.groups), cfg.device_state_groups)
     self.compute_dtype = jnp.dtype(model.cfg.dtype)  # of the activations
