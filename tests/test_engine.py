@@ -122,7 +122,8 @@ def check_against_reference(overrides, engine_cfg, optimizer_name, seed, dtype, 
     got_losses.append(float(loss))
   got_params = engine.params(state)
   if "parked" in state:  # clipping: the last step's updates wait for the next forward; settling applies the same
-    jax.tree.map(np.testing.assert_array_equal, engine.params(engine.settle(state)), got_params)
+    # update (params() runs it undonated, a differently fused program: equal up to fp32 rounding)
+    assert rel_error(engine.params(engine.settle(state)), got_params) <= 1e-6
 
   np.testing.assert_allclose(got_losses, want_losses, rtol=tolerance)
   if optimizer_name == "sgd":
