@@ -25,24 +25,28 @@ from test_train import REPO, TINY, train_in_process
 
 ENGINES = {"device": ["--engine=device"], "offload": ["--engine=offload", "--sub_batches=2", "--live_layers=1"]}
 STEPS = 15
+# Every run here, whatever its length, decays its learning rate over the uninterrupted runs' STEPS: the schedule is
+# compiled into the step, so with one schedule an engine's step compiles once, in the first run (train.py processes
+# and in-process runs share conftest.py's compilation cache).
+SCHEDULE = [f"--decay_steps={STEPS}"]
 
 
 def command(workdir, engine: str) -> list[str]:
-  return [sys.executable, "train.py", f"--workdir={workdir}", *TINY, f"--steps={STEPS}", "--checkpoint_every=3",
-          f"--loss_log={workdir}.jsonl", *ENGINES[engine]]
+  return [sys.executable, "train.py", f"--workdir={workdir}", *TINY, *SCHEDULE, f"--steps={STEPS}",
+          "--checkpoint_every=3", f"--loss_log={workdir}.jsonl", *ENGINES[engine]]
+
+
+def train(workdir, *args) -> dict[int, float]:
+  return train_in_process(workdir, *SCHEDULE, *args)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  """Starts train.py processes that share one compilation cache (the first run of each command compiles for all),
-  their stderr appended to <workdir>.stderr."""
-  cache = tmp_path_factory.mktemp("jax_cache")
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+def runs():
+  """Starts train.py processes, their stderr appended to <workdir>.stderr."""
 
   def run(workdir, engine: str) -> subprocess.Popen:
     with open(f"{workdir}.stderr", "a") as stderr:
-      return subprocess.Popen(command(workdir, engine), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+      return subprocess.Popen(command(workdir, engine), cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
 
   return run
 
@@ -131,7 +135,7 @@ def test_corrupt_checkpoint_fails_with_one_line_naming_it(tmp_path, uninterrupte
   with open(os.path.join(newest, "state", "manifest.json"), "r+b") as f:
     f.truncate(100)
   with pytest.raises(SystemExit) as error:
-    train_in_process(tmp_path / "run", f"--steps={2 * STEPS}", "--checkpoint_every=3", *ENGINES["device"])
+    train(tmp_path / "run", f"--steps={2 * STEPS}", "--checkpoint_every=3", *ENGINES["device"])
   assert str(error.value).startswith(f"sljax: checkpoint {newest} cannot be read (")
   assert str(error.value).endswith("); delete it to resume from the one before") and "\n" not in str(error.value)
 
@@ -139,7 +143,7 @@ def test_corrupt_checkpoint_fails_with_one_line_naming_it(tmp_path, uninterrupte
 def test_checkpoint_of_another_model_fails_with_one_line_naming_it(tmp_path, uninterrupted):
   newest = copy_run(uninterrupted["device"], tmp_path / "run")
   with pytest.raises(SystemExit) as error:
-    train_in_process(tmp_path / "run", f"--steps={2 * STEPS}", "--checkpoint_every=3", "--set=num_layers=3")
+    train(tmp_path / "run", f"--steps={2 * STEPS}", "--checkpoint_every=3", "--set=num_layers=3")
   assert str(error.value).startswith(f"sljax: checkpoint {newest} holds another training state than this run's: ")
   assert str(error.value).endswith("; use another --workdir") and "\n" not in str(error.value)
 
@@ -165,7 +169,7 @@ class BadBatches:
 def test_bad_steps_are_skipped_never_saved_and_stop_the_run_when_in_a_row(tmp_path, monkeypatch, engine):
   monkeypatch.setattr(launch, "make_source", lambda *args: BadBatches(make_source(*args), {3, 5, 6, 7}))
   with pytest.raises(SystemExit) as stopped:
-    train_in_process(tmp_path / "run", "--steps=10", "--checkpoint_every=1", "--keep_checkpoints=10",
+    train(tmp_path / "run", "--steps=10", "--checkpoint_every=1", "--keep_checkpoints=10",
                      "--stop_after_bad_steps=3", f"--loss_log={tmp_path}/losses.jsonl", *ENGINES[engine])
   checkpoints = tmp_path / "run" / "checkpoints"
   assert str(stopped.value) == (f"sljax: steps 5-7, 3 in a row, had a non-finite loss or gradient: stopped (newest "
@@ -235,7 +239,7 @@ def slowed_steps(monkeypatch, on_dispatch):
 def test_the_loop_runs_at_most_one_step_ahead_of_the_device(tmp_path, monkeypatch):
   in_flight = []
   slowed_steps(monkeypatch, lambda n, losses: in_flight.append(sum(not loss.is_ready() for loss in losses)))
-  train_in_process(tmp_path / "run", "--steps=12", "--log_every=12", "--checkpoint_every=0", *ENGINES["device"])
+  train(tmp_path / "run", "--steps=12", "--log_every=12", "--checkpoint_every=0", *ENGINES["device"])
   assert max(in_flight) <= 2, in_flight  # the step just dispatched and the one before it
 
 
@@ -253,7 +257,7 @@ def test_sigterm_stops_after_the_step_in_flight_and_saves_it(tmp_path, monkeypat
       threading.Thread(target=signal_when_3_steps_are_done, args=(losses,), daemon=True).start()
 
   slowed_steps(monkeypatch, on_dispatch)
-  history = train_in_process(tmp_path / "run", "--steps=20", "--log_every=10", "--checkpoint_every=10",
+  history = train(tmp_path / "run", "--steps=20", "--log_every=10", "--checkpoint_every=10",
                              *ENGINES["device"])
   last = max(history)
   assert last <= done_at_signal[0] + 2, (done_at_signal, last)  # the steps in flight then, no more
@@ -263,12 +267,12 @@ def test_sigterm_stops_after_the_step_in_flight_and_saves_it(tmp_path, monkeypat
 def test_a_disk_too_small_for_the_checkpoints_is_refused_before_anything_is_written(tmp_path, monkeypatch):
   monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=10**5))
   with pytest.raises(SystemExit) as error:
-    train_in_process(tmp_path / "run", "--steps=10", "--checkpoint_every=5", *ENGINES["device"])
+    train(tmp_path / "run", "--steps=10", "--checkpoint_every=5", *ENGINES["device"])
   message = str(error.value)
   assert message.startswith(f"sljax: checkpoints need ") and f"under {tmp_path / 'run' / 'checkpoints'}" in message
   assert message.endswith("or train without checkpoints (--checkpoint_every=0)") and "\n" not in message
   assert not (tmp_path / "run").exists()
-  assert sorted(train_in_process(tmp_path / "run", "--steps=2", "--checkpoint_every=0", *ENGINES["device"])) == [1, 2]
+  assert sorted(train(tmp_path / "run", "--steps=2", "--checkpoint_every=0", *ENGINES["device"])) == [1, 2]
   assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
 
 
@@ -282,7 +286,7 @@ def test_a_run_whose_updates_poison_the_state_saves_nothing_and_says_so(tmp_path
 
   monkeypatch.setattr(launch, "all_on_device", poisoning)
   with pytest.raises(SystemExit) as error:
-    train_in_process(tmp_path / "run", "--steps=2", "--checkpoint_every=1", *ENGINES["device"])
+    train(tmp_path / "run", "--steps=2", "--checkpoint_every=1", *ENGINES["device"])
   assert str(error.value).startswith("sljax: step 1's training state holds a non-finite value (")
   assert str(error.value).endswith("not saved; newest checkpoint none yet")
   assert not os.listdir(tmp_path / "run" / "checkpoints")
@@ -294,7 +298,7 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_a_non_zero_exit(tmp_pat
 
   monkeypatch.setattr(StateHandler, "_write_part", full)
   with pytest.raises(SystemExit) as error:
-    train_in_process(tmp_path / "run", "--steps=2", "--checkpoint_every=2", *ENGINES["device"])
+    train(tmp_path / "run", "--steps=2", "--checkpoint_every=2", *ENGINES["device"])
   message = str(error.value)
   assert message.startswith(f"sljax: saving step 2 to {tmp_path / 'run' / 'checkpoints'} failed: the disk is full (")
   assert message.endswith("nothing partial was left, newest checkpoint none yet") and "\n" not in message

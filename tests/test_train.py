@@ -79,7 +79,8 @@ def test_plan_for_a_target_gpu_made_on_cpu_is_the_gpus_own(capsys):
 
 
 def test_profile_writes_a_trace(tmp_path):
-  train_in_process(tmp_path, "--steps=3", "--profile")
+  # The resumed runs' schedule (a schedule is compiled into the step): their compiled step serves this run too.
+  train_in_process(tmp_path, "--steps=3", "--decay_steps=6", "--profile")
   assert glob.glob(str(tmp_path / "profile" / "**" / "*.xplane.pb"), recursive=True)
 
 
@@ -156,7 +157,9 @@ def test_training_starts_from_hugging_face_weights(tmp_path, engine):
 def test_host_budget_is_split_among_the_process_devices(tmp_path, capsys, mesh, local):
   # Every device keeps its own share of the host-resident state (a whole copy under data parallel): one process's
   # --host_memory_gib must not be promised to each of its devices.
-  train_in_process(tmp_path, "--plan", "--engine=offload", "--batch_size=8", f"--mesh={mesh}", "--host_memory_gib=6")
+  # 8 rows per device: every mesh plans the same per-device step, compiled once (sljax.plan caches its peak).
+  train_in_process(tmp_path, "--plan", "--engine=offload", f"--batch_size={8 * local}", f"--mesh={mesh}",
+                   "--host_memory_gib=6")
   host_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("host:")]
   assert len(host_lines) == 1 and f" of {6 / local:.1f} GiB" in host_lines[0], host_lines
 
