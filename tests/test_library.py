@@ -19,11 +19,15 @@ def _flat(tree):
   return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
 
 
+# Jitted once for both optimizers: op by op, the model's gradient compiles a kernel per operation and shape.
+_value_and_grad = jax.jit(jax.value_and_grad(MODEL.loss))
+
+
 def full_batch_steps(optimizer, params, batches):
   """Plain training: jax.grad of the whole model on the whole batch, then optax."""
   opt_state, losses = optimizer.init(params), []
   for batch in batches:
-    loss, grads = jax.value_and_grad(MODEL.loss)(params, batch)
+    loss, grads = _value_and_grad(params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     losses.append(float(loss))
