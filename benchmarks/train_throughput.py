@@ -20,7 +20,9 @@ Cases (--cases; each recorded with tokens/s, MFU, hardware FLOPs utilization, pe
              per_micro_batch  weights streamed per micro-batch with gradient accumulation (what ZeRO-3 offload does)
              in_jit_scan      weights streamed by a lax.scan inside one jit with device_put in its body (JAX's way)
 Each engine case also records its layer kernels' MFU ceilings (benchmarks.kernel_ceiling, in the same process, at
-the case's sub-batch shape) as ceiling_mfu_full_recompute and ceiling_mfu_residuals_kept beside its mfu; a case in
+the case's sub-batch shape) as ceiling_mfu_full_recompute and ceiling_mfu_residuals_kept beside its mfu, and
+ceiling_mfu_schedule: the plan's mix of the two (the last group's layers keep their residuals, the others recompute);
+a case in
 --trace_cases (default big) runs one more step under jax.profiler and records gpu_busy_fraction, the idle gaps and the
 copies hidden behind compute (benchmarks.trace_overlap). Ratios: fits/engine_over_best_device (the engine over the
 faster all-on-device step), engine_over_all_on_device (over the remat one), the streamed engine over each streaming
@@ -125,9 +127,10 @@ def run_engine(name, engine: Engine, batch, steps, key):
   before = dict(engine.place.moved)
   seconds, times, losses, state = timed(engine.step, state, batch, steps)
   moved = {k: (engine.place.moved[k] - before[k]) // (steps + 1) for k in before}  # every step moves the same
-  groups = len(engine.groups)
+  layers = engine.model.cfg.num_layers
+  recomputed = engine.groups[-1][0] / layers  # every group's layers but the last group's
   rows, seq = batch["inputs"].shape
-  result = record(name, engine.model.cfg, rows, seq, seconds, times, losses, (groups - 1) / groups,
+  result = record(name, engine.model.cfg, rows, seq, seconds, times, losses, recomputed,
                   {"engine": dataclasses.asdict(engine.cfg), "bytes_moved_per_step": moved})
   if name in FLAGS.trace_cases:
     state, traced = traced_step(engine, state, batch)
@@ -137,8 +140,14 @@ def run_engine(name, engine: Engine, batch, steps, key):
   ceiling = ceilings(engine.model, rows // sub_batches, seq, sub_batches, engine.cfg.live_layers)
   print(f"{name}: layer kernels alone: MFU ceiling {ceiling['ceiling_mfu_full_recompute']:.3f} with full recompute, "
         f"{ceiling['ceiling_mfu_residuals_kept']:.3f} with residuals kept", flush=True)
+  # This schedule's own: the layers before the last group recompute, the last group's keep their residuals.
+  per_layer_s = {kind: ceiling[f"step_s_{kind}"] / layers for kind in ("full_recompute", "residuals_kept")}
+  schedule_s = recomputed * layers * per_layer_s["full_recompute"] + (1 - recomputed) * layers * per_layer_s[
+      "residuals_kept"]
+  schedule_ceiling = ceiling["ceiling_mfu_full_recompute"] * ceiling["step_s_full_recompute"] / schedule_s
   return {**result, "ceiling_mfu_full_recompute": ceiling["ceiling_mfu_full_recompute"],
-          "ceiling_mfu_residuals_kept": ceiling["ceiling_mfu_residuals_kept"], "kernel_ceiling": ceiling}
+          "ceiling_mfu_residuals_kept": ceiling["ceiling_mfu_residuals_kept"],
+          "ceiling_mfu_schedule": schedule_ceiling, "kernel_ceiling": ceiling}
 
 
 def traced_step(engine: Engine, state, batch):

@@ -55,6 +55,9 @@ class LaunchConfig:
   engine: typing.Literal["auto", "device", "offload"] = "auto"
   sub_batches: int = 0  # offload engine: sub-batches per step (0: the plan chooses)
   live_layers: int = 0  # offload engine: layers per group fetched to the device at once (0: plan)
+  # offload engine: layers in the last group, which keep their residuals instead of being recomputed (0: the plan
+  # chooses; equal to --live_layers: no longer tail than the other groups)
+  tail_layers: int = 0
   int8_exchange: bool = False  # offload engine: stash hidden states in host memory as int8 rows (inexact)
   # devices as data:D,fsdp:F, D x F dividing the device count (default: fsdp over each host's devices, data parallel
   # across hosts)
@@ -77,7 +80,7 @@ class LaunchConfig:
         raise ValueError(f"--{name} must be one of {', '.join(map(repr, choices))}, got {getattr(self, name)!r}")
     if self.target and not self.plan:
       raise ValueError(f"--target={self.target} plans for a machine this is not: use it with --plan")
-    for name in ("sub_batches", "live_layers"):
+    for name in ("sub_batches", "live_layers", "tail_layers"):
       if getattr(self, name) < 0:
         raise ValueError(f"--{name} must be >= 0 (0: the plan chooses), got {getattr(self, name)}")
     for name in ("device_memory_gib", "host_memory_gib"):
@@ -255,7 +258,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   mode = launch.engine
   if mode == "auto":
     mode = "device" if fits_on_device(launch, model_cfg, optim_cfg, device) else "offload"
-  offload_only = [f"--{name}" for name in ("sub_batches", "live_layers") if getattr(launch, name)]
+  offload_only = [f"--{name}" for name in ("sub_batches", "live_layers", "tail_layers") if getattr(launch, name)]
   if mode == "device" and offload_only and not launch.plan:
     chosen = "the auto engine chose the on-device step (the training state fits)" if launch.engine == "auto" else (
         "--engine=device runs the on-device step")
@@ -280,8 +283,9 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   planned = batch_planned(request, model_cfg)
 
   def plan_with(optim_cfg):  # the plan sizes one device's work: its rows, its 1/fsdp share of the layer state
-    args = dict(sub_batches=launch.sub_batches, live_layers=launch.live_layers, fsdp=mesh.shape["fsdp"],
-                target=target, optimizer=make_optimizer(optim_cfg, clip=False), grad_clip_norm=optim_cfg.grad_clip_norm)
+    args = dict(sub_batches=launch.sub_batches, live_layers=launch.live_layers, tail_layers=launch.tail_layers,
+                fsdp=mesh.shape["fsdp"], target=target, optimizer=make_optimizer(optim_cfg, clip=False),
+                grad_clip_norm=optim_cfg.grad_clip_norm)
     if planned:
       return plan_batch(model, data_cfg.seq_len, budget, devices=mesh.size, **args)
     return make_plan(model, data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, **args), None

@@ -17,7 +17,7 @@ import optax
 from models.presets import build, get_config
 from sljax.machines import GIB, REFERENCE, Budget, Machine, rates_of
 from sljax.memory import tree_bytes
-from sljax.schedule import UPDATES_IN_FLIGHT, Engine, EngineConfig, state_on_device
+from sljax.schedule import UPDATES_IN_FLIGHT, Engine, EngineConfig, group_bounds, state_on_device
 from sljax.sizes import model_sizes
 
 # A step is compute-bound "with a margin" when its predicted compute is at least this many times its copies: on the
@@ -54,6 +54,8 @@ class Plan:
   budget: Budget
   fsdp: int = 1  # devices each group's state is split over
   machine: Machine = REFERENCE  # whose rates the times are predicted at
+  layers: int = 0  # the model's
+  groups: int = 0  # layer groups, the tail included
 
   @property
   def compute_seconds(self) -> float:
@@ -96,7 +98,9 @@ class Plan:
     e = self.engine
     rows = [
         f"sub-batches {e.sub_batches} x {self.sub_batch_size} rows, {e.live_layers} layer(s) per group, "
-        f"activations {'in pinned host memory' if e.activations_on_host else 'on the device'}, "
+        + (f"the last {e.tail_layers} layers one group that keeps its residuals (not recomputed), "
+           if e.tail_layers > e.live_layers else "")
+        + f"activations {'in pinned host memory' if e.activations_on_host else 'on the device'}, "
         f"{e.device_state_groups} group(s) keep master weights + optimizer state on the device"
         + (f" (split over {self.fsdp} fsdp devices)" if self.fsdp > 1 else ""),
         _tier("device", self.device_bytes, self.budget.device_bytes),
@@ -116,33 +120,40 @@ def _tier(name, parts, budget):
   return f"{name}: {sum(parts.values()) / GIB:.1f} of {budget / GIB:.1f} GiB ({items})"
 
 
-_PEAKS: dict = {}  # compiled peaks by (model, layers per group, sub-batch rows, seq_len): compiling takes seconds
+_PEAKS: dict = {}  # compiled peaks of one call by (model, call, layers, sub-batch rows, seq_len): compiling takes seconds
+
+
+def _call_peak(model, call: str, layers: int, sub_batch: int, seq_len: int) -> int:
+  """XLA's temp + output bytes for one per-sub-batch call over `layers` layers, as this process's backend compiles
+  it: "last_group" (forward, head and backward, residuals kept) or "backward" (recompute + backward)."""
+  key = (type(model), model.cfg, call, layers, sub_batch, seq_len)
+  if key in _PEAKS:
+    return _PEAKS[key]
+  engine = Engine(model, optax.sgd(0.0), EngineConfig())
+  sizes = model_sizes(model)
+  shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+  weights = jax.eval_shape(lambda: engine.cast_layers(model.init_layers(jax.random.split(jax.random.key(0), layers))))
+  x = shape(sub_batch, seq_len, sizes.hidden)
+  grads = jax.eval_shape(engine._zeros, weights)
+  if call == "last_group":
+    outer = jax.eval_shape(lambda: model.init_outer(jax.random.key(0)))
+    args = (weights, outer, x, shape(sub_batch, seq_len, dtype=jnp.int32), shape(sub_batch, seq_len, dtype=jnp.float32),
+            shape(dtype=jnp.float32), grads, jax.eval_shape(engine._zeros, outer))
+  else:
+    args = (weights, x, x, grads)
+  analysis = getattr(engine, f"_{call}").lower(*args).compile().memory_analysis()
+  _PEAKS[key] = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+  return _PEAKS[key]
 
 
 def _peak_step_bytes(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> int:
-  """XLA's temp + output bytes for the largest per-sub-batch call (the last group: forward, head, backward), as this
-  process's backend compiles it."""
-  key = (type(model), model.cfg, cfg.live_layers, sub_batch, seq_len)
-  if key in _PEAKS:
-    return _PEAKS[key]
-  engine = Engine(model, optax.sgd(0.0), cfg)
-  sizes = model_sizes(model)
-  shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
-  weights = jax.eval_shape(lambda: engine.cast_layers(
-      model.init_layers(jax.random.split(jax.random.key(0), cfg.live_layers))))
-  outer = jax.eval_shape(lambda: model.init_outer(jax.random.key(0)))
-  x = shape(sub_batch, seq_len, sizes.hidden)
-  tokens = shape(sub_batch, seq_len, dtype=jnp.int32)
-  grads = jax.eval_shape(engine._zeros, weights)
-  outer_grads = jax.eval_shape(engine._zeros, outer)
-  peaks = []
-  for fn, args in [(engine._last_group, (weights, outer, x, tokens, shape(sub_batch, seq_len, dtype=jnp.float32),
-                                         shape(dtype=jnp.float32), grads, outer_grads)),
-                   (engine._backward, (weights, x, x, grads))]:
-    analysis = fn.lower(*args).compile().memory_analysis()
-    peaks.append(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
-  _PEAKS[key] = max(peaks)
-  return _PEAKS[key]
+  """The largest per-sub-batch call's compiled peak: the last group's (its own layers, residuals kept) or another
+  group's backward."""
+  bounds = group_bounds(model.cfg.num_layers, cfg.live_layers, cfg.tail_layers)
+  peaks = [_call_peak(model, "last_group", bounds[-1][1] - bounds[-1][0], sub_batch, seq_len)]
+  if len(bounds) > 1:
+    peaks.append(_call_peak(model, "backward", cfg.live_layers, sub_batch, seq_len))
+  return max(peaks)
 
 
 def gpu_peak_from_cpu(cpu_peak: int) -> int:
@@ -169,16 +180,22 @@ def optimizer_bytes_per_param(optimizer: optax.GradientTransformation, dtype=jnp
 
 def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches: int = 0, live_layers: int = 0,
               optimizer: optax.GradientTransformation | None = None, grad_clip_norm: float = 0.0,
-              sub_batch_tokens: int = SUB_BATCH_TOKENS, fsdp: int = 1, target: Machine | None = None) -> Plan:
-  """Chooses the engine's settings for one device; 0 for sub_batches / live_layers means "choose". ValueError when it
-  cannot fit.
+              sub_batch_tokens: int = SUB_BATCH_TOKENS, fsdp: int = 1, target: Machine | None = None,
+              tail_layers: int = 0) -> Plan:
+  """Chooses the engine's settings for one device; 0 for sub_batches / live_layers / tail_layers means "choose".
+  ValueError when it cannot fit.
 
   batch_size is this device's rows (the mesh splits every sub-batch over all devices) and the budgets are one
   device's. fsdp: devices the layer state is split over; each holds 1/fsdp of every group's master weights,
   optimizer state and host weight copy, and gathers a group's whole weights only while it runs. optimizer: the one the
   engine will run, whose state is sized per parameter (default: AdamW with fp32 moments, 8 bytes). target: plan for
   one GPU of that machine (its rates; made on a CPU, its compiled peak corrected by gpu_peak_from_cpu) instead of for
-  this process's device (whose rates are the table's, or the reference machine's when it has none)."""
+  this process's device (whose rates are the table's, or the reference machine's when it has none).
+
+  The tail (EngineConfig.tail_layers): when every group's state stays on the device, the device memory left over
+  goes to a longer last group, whose layers keep their residuals instead of being recomputed, as many as fit by the
+  compiled peaks (a model that fits with room to spare recomputes nothing). Where state must live in host memory,
+  the memory goes to state first, and the last group is the last of the live_layers groups."""
   sizes = model_sizes(model)  # checks the model first
   if sub_batches:
     if batch_size % sub_batches:
@@ -188,39 +205,90 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
     sub_batch = max(d for d in range(1, batch_size + 1) if batch_size % d == 0 and (d * seq_len <= sub_batch_tokens
                                                                                  or d == 1))
   live = live_layers or 1
-  groups = math.ceil(sizes.num_layers / live)
+  if not 0 <= tail_layers <= sizes.num_layers:
+    raise ValueError(f"tail_layers must be in 0..{sizes.num_layers} (the model's layers), got {tail_layers}")
+  machine = target or rates_of(jax.devices()[0].device_kind)
+  layout = lambda tail: _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, optimizer,
+                                grad_clip_norm, fsdp, target, machine)
+  plan = layout(tail_layers)
+  first = _last_layers(plan)
+  if tail_layers or not _all_resident(plan) or first == sizes.num_layers:
+    return plan
+  # Grow the tail into the memory left: the bytes per added layer from one more layer's plan, then the longest tail
+  # that the compiled peaks say fits, stepping down until one does.
+  try:
+    one_more = layout(first + 1)
+  except ValueError:
+    return plan
+  if not _keeps_placement(plan, one_more):
+    return plan
+  per_layer = max(sum(one_more.device_bytes.values()) - sum(plan.device_bytes.values()), 1)
+  left = plan.budget.device_bytes - sum(one_more.device_bytes.values())
+  for tail in range(min(sizes.num_layers, first + 1 + left // per_layer), first + 1, -1):
+    try:
+      longer = layout(tail)
+    except ValueError:
+      continue
+    if _keeps_placement(plan, longer):
+      return longer
+  return one_more
+
+
+def _last_layers(plan: Plan) -> int:
+  """Layers in the plan's last group."""
+  return plan.engine.tail_layers or plan.layers - plan.engine.live_layers * (plan.groups - 1)
+
+
+def _all_resident(plan: Plan) -> bool:
+  return plan.engine.device_state_groups == plan.groups
+
+
+def _keeps_placement(plan: Plan, longer: Plan) -> bool:
+  """A longer tail takes only memory left over: every group's state still on the device, activations no further."""
+  return _all_resident(longer) and (plan.engine.activations_on_host or not longer.engine.activations_on_host)
+
+
+def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, optimizer, grad_clip_norm, fsdp, target,
+            machine) -> Plan:
+  """make_plan's placement for one tail (0: the last group is the last of the live_layers groups)."""
+  bounds = group_bounds(sizes.num_layers, live, tail)
+  groups, n = len(bounds), batch_size // sub_batch
+  last_layers = bounds[-1][1] - bounds[-1][0]
   layer = sizes.layer_params
   opt_bytes = 8 if optimizer is None else optimizer_bytes_per_param(optimizer, model.cfg.param_dtype)
-  # master weights + optimizer state
-  state_per_group = int(live * (sizes.layer_master_bytes + layer * opt_bytes)) // fsdp
+  state_per_layer = int(sizes.layer_master_bytes + layer * opt_bytes) // fsdp  # master weights + optimizer state
+  state_per_group = live * state_per_layer
   weights_per_group = live * sizes.layer_weight_bytes  # gathered whole on every device while the group runs
   act = sizes.activation_bytes(sub_batch, seq_len)
-  stash = (groups - 1) * (batch_size // sub_batch) * act  # every group's input but the last group's
+  stash = (groups - 1) * n * act  # every group's input but the last group's
 
-  cfg = EngineConfig(sub_batches=batch_size // sub_batch, live_layers=live, grad_clip_norm=grad_clip_norm)
+  cfg = EngineConfig(sub_batches=n, live_layers=live, grad_clip_norm=grad_clip_norm, tail_layers=tail)
   peak = _peak_step_bytes(model, cfg, sub_batch, seq_len)
-  local = jax.devices()[0]
-  if target is not None and local.platform == "cpu":
+  if target is not None and jax.devices()[0].platform == "cpu":
     peak = gpu_peak_from_cpu(peak)
-  machine = target or rates_of(local.device_kind)
   # Clipping by the exact global norm holds every group's reduced gradient until the next step's forward updates the
   # group: a group whose state lives on the device parks it there, a host group in pinned host memory (a crossing
   # each way).
-  parked = live * layer * 4 // fsdp if grad_clip_norm > 0 else 0
+  parked_per_layer = layer * 4 // fsdp if grad_clip_norm > 0 else 0
+  parked = live * parked_per_layer
+  widest = max(live, last_layers) * layer * 4  # the largest group's fp32 gradient
   fixed_device = {
       # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
       # per step) and the per-device gradient accumulator.
       "embeddings+head (params, moments, grads)": int(
           (sizes.outer_master_bytes + sizes.outer_params * (opt_bytes + 4)) / fsdp
           + (sizes.outer_master_bytes + sizes.outer_params * 4 if fsdp > 1 else 0)),
-      "group weights (2 in flight)": 2 * weights_per_group + (weights_per_group // fsdp if fsdp > 1 else 0),
+      # The running group's and the next one's (the last group's while the first backward group's arrive).
+      "group weights (2 in flight)": max(2 * weights_per_group,
+                                         last_layers * sizes.layer_weight_bytes + weights_per_group * (groups > 1))
+      + (weights_per_group // fsdp if fsdp > 1 else 0),
       # In backward one group's gradients accumulate (whole, on every device) while the next group's wait, reduced to
       # this device's shard, for its deferred update.
-      "group grads (2)": live * layer * 4 + live * layer * 4 // fsdp,
+      "group grads (2)": widest + widest // fsdp,
       # That deferred update holds the group's state and writes the new state while the next group's arrives; the
       # engine lets UPDATES_IN_FLIGHT host groups' state (with clipping, and their parked gradients) be on the device.
       "group state in update (3)": max(3 * state_per_group, UPDATES_IN_FLIGHT * (state_per_group + parked)),
-      "activations in flight": 3 * (batch_size // sub_batch) * act,  # a group's inputs, outputs, gradients
+      "activations in flight": 3 * n * act,  # a group's inputs, outputs, gradients
       "compiled step peak": peak,
   }
   free = budget.device_bytes - sum(fixed_device.values())
@@ -229,20 +297,25 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
                      f"(sub-batch {sub_batch} x {seq_len}), but the device has {budget.device_bytes / GIB:.1f} GiB; "
                      f"lower the sub-batch size or the sequence length")
 
-  per_device_group = state_per_group + parked
-  if free >= groups * per_device_group + stash:  # everything fits: keep it all on the device, no PCIe traffic
-    on_host, device_groups = False, groups
-  else:
-    on_host, device_groups = True, min(groups, max(0, free // per_device_group))
-  host_groups = groups - device_groups
-  device_bytes = dict(fixed_device, **{"resident group state": device_groups * state_per_group,
+  resident = lambda device_groups: sum(  # layers whose state the device keeps
+      b - a for (a, b), on_device in zip(bounds, state_on_device(groups, device_groups)) if on_device)
+  per_layer = state_per_layer + parked_per_layer
+  on_host, device_groups = free < sizes.num_layers * per_layer + stash, groups
+  while on_host and device_groups and resident(device_groups) * per_layer > free:
+    device_groups -= 1  # all on the device if it all fits (no PCIe traffic); else the stash first, then state
+  if last_layers > live and not state_on_device(groups, device_groups)[-1]:
+    raise ValueError(f"a tail of {last_layers} layers needs its state on the device, which has room for the state of "
+                     f"{max(free, 0) // per_layer} layer(s)")
+  device_layers = resident(device_groups)
+  host_layers, host_groups = sizes.num_layers - device_layers, groups - device_groups
+  device_bytes = dict(fixed_device, **{"resident group state": device_layers * state_per_layer,
                                        "activation stash": 0 if on_host else stash})
-  host_weights = host_groups * weights_per_group // fsdp if sizes.separate_weights else 0
-  host_bytes = {"group weights": host_weights, "group state": host_groups * state_per_group,
+  host_weights = host_layers * sizes.layer_weight_bytes // fsdp if sizes.separate_weights else 0
+  host_bytes = {"group weights": host_weights, "group state": host_layers * state_per_layer,
                 "activation stash": stash if on_host else 0}
   if parked:
-    device_bytes["parked grads (clipping)"] = device_groups * parked
-    host_bytes["parked grads (clipping)"] = host_groups * parked
+    device_bytes["parked grads (clipping)"] = device_layers * parked_per_layer
+    host_bytes["parked grads (clipping)"] = host_layers * parked_per_layer
   if sum(host_bytes.values()) > budget.host_bytes:
     needed = sum(host_bytes.values()) + sum(device_bytes.values())
     raise ValueError(
@@ -264,18 +337,21 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   backward_weights = (host_groups - (not state_on_device(groups, device_groups)[-1])) * shard
   update_in, update_out = host_groups * (state_per_group + parked), host_groups * (state_per_group + shard)
   stash = (groups - 1) * level
-  forward_flops = batch_size * seq_len * sizes.flops_per_token(seq_len) / 3  # a third of a layer's training FLOPs
+  # The model's forward is a third of its training FLOPs. The forward pass runs every group's but the last group's;
+  # the backward pass is three forwards: the last group's forward + backward, the others' recompute + backward.
+  forward_flops = batch_size * seq_len * sizes.flops_per_token(seq_len) / 3
   seconds = lambda flops: flops / (machine.peak_flops * machine.layer_efficiency)
+  forward = seconds(forward_flops * (sizes.num_layers - last_layers) / sizes.num_layers)
   if parked:
-    phases = {"forward": Phase(seconds(forward_flops), update_in, update_out + stash),
+    phases = {"forward": Phase(forward, update_in, update_out + stash),
               "backward": Phase(seconds(3 * forward_flops), backward_weights + stash, host_groups * parked)}
   else:
-    phases = {"forward": Phase(seconds(forward_flops), host_groups * shard, stash),
+    phases = {"forward": Phase(forward, host_groups * shard, stash),
               "backward": Phase(seconds(3 * forward_flops), backward_weights + update_in + stash, update_out)}
   return Plan(
       engine=dataclasses.replace(cfg, activations_on_host=on_host, device_state_groups=device_groups), fsdp=fsdp,
       sub_batch_size=sub_batch, device_bytes=device_bytes, host_bytes=host_bytes, phases=phases, budget=budget,
-      machine=machine)
+      machine=machine, layers=sizes.num_layers, groups=groups)
 
 
 def plan_batch(model, seq_len: int, budget: Budget, devices: int = 1, max_rows: int = MAX_ROWS, **plan_args

@@ -4,11 +4,15 @@ One step, top to bottom (see `Engine.step`):
 
   embed every sub-batch                                          -> h[0][s] on the device
   for each group g but the last: fetch W_g once; stash h[g][s] to host; run every sub-batch -> h[g+1][s]
-  last group:  forward + head + backward per sub-batch in one call                            -> dh[G-1][s]
+  last group:  forward + head + backward per sub-batch in one call, residuals kept            -> dh[G-1][s]
   for each group g, last-but-one down to 0: fetch W_g once; fetch the stashed h[g][s] back; recompute + backward
                every sub-batch, accumulating dW_g on the device -> dh[g][s]; update group g (its state streams in
                and out while the next group computes)
   embedding backward per sub-batch; update the embeddings and head
+
+Only the groups before the last recompute their forward. The last group may be a longer tail (`tail_layers`): where
+the device has room for its residuals (one sub-batch's, through all its layers), fewer layers are recomputed, and a
+tail of every layer recomputes nothing.
 
 With clipping (grad_clip_norm > 0) no group can be updated before the global norm is known, after the whole
 backward: each group's gradient is parked instead (on the device or, for a host group, in pinned host memory) and
@@ -61,6 +65,10 @@ class EngineConfig:
   activations_on_host: bool = True  # stash group-boundary hidden states in pinned host memory for the backward pass
   int8_exchange: bool = False  # stash them as int8 with one scale per row: half the bytes of bf16, not exact
   device_state_groups: int = 0  # groups whose master weights + optimizer state stay on device (see state_on_device)
+  # > 0: the last group is the last tail_layers layers (the others form groups of live_layers). The last group runs
+  # forward, head and backward in one call per sub-batch with its residuals kept, so its layers are not recomputed:
+  # a tail of every layer is a step with no recompute at all. 0: the last group is the last of the live_layers groups.
+  tail_layers: int = 0
 
 
 # Replaced host buffers are freed this many retirements (about two layer groups) after their last copy was issued.
@@ -82,6 +90,14 @@ def state_on_device(groups: int, device_groups: int) -> list[bool]:
   host = groups - max(0, min(device_groups, groups))
   on_host = {(i + 1) * groups // (host + 1) for i in range(host)} if host < groups else set(range(groups))
   return [g not in on_host for g in range(groups)]
+
+
+def group_bounds(num_layers: int, live_layers: int, tail_layers: int = 0) -> list[tuple[int, int]]:
+  """[start, stop) of each group: groups of live_layers (the last may be shorter), then a tail group of the last
+  tail_layers layers when tail_layers > 0."""
+  head = num_layers - tail_layers
+  return ([(a, min(a + live_layers, head)) for a in range(0, head, live_layers)]
+          + ([(head, num_layers)] if tail_layers else []))
 
 
 def _add(acc, grads):
@@ -123,13 +139,15 @@ class Engine:
     num_layers = model.cfg.num_layers
     if cfg.sub_batches < 1 or cfg.live_layers < 1:
       raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
+    if not 0 <= cfg.tail_layers <= num_layers:
+      raise ValueError(f"tail_layers must be in 0..{num_layers} (the model's layers), got {cfg.tail_layers}")
     self.model, self.optimizer, self.cfg = model, optimizer, cfg
     self.place = placement or Placement.single()
     self._retired = collections.deque()  # lists of replaced host buffers, oldest first (see _retire)
     # Host groups' new state as it leaves the device (see _admit); bounded, for callers of `calls.apply` that never
     # admit (the step always admits before it appends, so nothing is dropped unwaited).
     self._written_back = collections.deque(maxlen=UPDATES_IN_FLIGHT)
-    self.groups = [(a, min(a + cfg.live_layers, num_layers)) for a in range(0, num_layers, cfg.live_layers)]
+    self.groups = group_bounds(num_layers, cfg.live_layers, cfg.tail_layers)
     self.state_on_device = state_on_device(len(self.groups), cfg.device_state_groups)
     self.compute_dtype = jnp.dtype(model.cfg.dtype)  # of the activations
     layer_shapes = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from models.presets import build, get_config
 from sljax.memory import HOST
-from sljax.schedule import Engine, EngineConfig, dequantize_rows, quantize_rows, state_on_device
+from sljax.schedule import Engine, EngineConfig, dequantize_rows, group_bounds, quantize_rows, state_on_device
 
 
 def _flat(tree):
@@ -64,7 +64,8 @@ def reference_steps(model, optimizer, clip, params, batches):
 # that every example after a shape's first reuses its compiled calls (in the persistent compilation cache of
 # conftest.py: a new engine of known shapes takes seconds, one of new shapes a minute on CI's 2 cores). Between
 # them: both families, grouped-query attention, OPT's post-LayerNorm with narrower embeddings (opt-350m's shape),
-# 1, 2 and 4 sub-batches, one layer per group, a smaller last group (3 + 1) and one group for all four layers.
+# 1, 2 and 4 sub-batches, one layer per group with a tail of two (1 + 1 + 2), a smaller last group (3 + 1) and one
+# group for all four layers.
 # What varies freely is what compiles nothing new: values, placements, clipping, optimizer, remat (the reference's).
 MODEL_SHAPES = {
     "llama-gqa": dict(family="llama", num_heads=4, num_kv_heads=1, hidden_size=32, intermediate_size=40),
@@ -72,17 +73,18 @@ MODEL_SHAPES = {
     "opt-350m-shape": dict(family="opt", num_heads=4, hidden_size=32, intermediate_size=24, layer_norm_before=False,
                            word_embed_proj_dim=16),
 }
-SCHEDULE_SHAPES = [("llama-gqa", 4, 3), ("opt-350m-shape", 2, 1), ("opt-pre", 1, 4)]  # model, sub-batches, live
+# model, sub-batches, live layers, tail layers
+SCHEDULE_SHAPES = [("llama-gqa", 4, 3, 0), ("opt-350m-shape", 2, 1, 2), ("opt-pre", 1, 4, 0)]
 
 
 @st.composite
 def engine_cases(draw):
   num_layers = 4
-  shape, sub_batches, live_layers = draw(st.sampled_from(SCHEDULE_SHAPES))
+  shape, sub_batches, live_layers, tail_layers = draw(st.sampled_from(SCHEDULE_SHAPES))
   overrides = dict(MODEL_SHAPES[shape], num_layers=num_layers, remat=draw(st.booleans()))
-  groups = -(-num_layers // live_layers)
+  groups = len(group_bounds(num_layers, live_layers, tail_layers))
   engine = EngineConfig(
-      sub_batches=sub_batches, live_layers=live_layers,
+      sub_batches=sub_batches, live_layers=live_layers, tail_layers=tail_layers,
       grad_clip_norm=draw(st.sampled_from([0.0, 0.05, 100.0])),  # off, clipping, norm below the limit
       activations_on_host=draw(st.booleans()), device_state_groups=draw(st.integers(0, groups)))
   optimizer = draw(st.sampled_from(["sgd", "adamw"]))
@@ -208,6 +210,22 @@ def test_host_state_groups_are_spread_among_the_device_groups(groups):
       assert layout[-1]
       device_runs = np.diff([-1, *host, groups]) - 1  # device groups before, between and after the host groups
       assert device_runs.max() - device_runs.min() <= 1
+
+
+@given(st.integers(1, 12).flatmap(lambda layers: st.tuples(st.just(layers), st.integers(1, layers + 1),
+                                                          st.integers(0, layers))))
+def test_groups_cover_the_layers_in_order_with_the_tail_last(case):
+  layers, live, tail = case
+  bounds = group_bounds(layers, live, tail)
+  assert [a for a, _ in bounds] == [0] + [b for _, b in bounds[:-1]] and bounds[-1][1] == layers
+  assert all(0 < b - a <= live for a, b in bounds[:-1 if tail else None])
+  assert bounds[-1][1] - bounds[-1][0] == (tail or layers - live * (len(bounds) - 1))
+
+
+def test_tail_layers_out_of_range_is_refused():
+  model = build(get_config("llama-tiny", dict(num_layers=2)))
+  with pytest.raises(ValueError, match="tail_layers must be in 0..2"):
+    Engine(model, optax.sgd(1.0), EngineConfig(tail_layers=3))
 
 
 def test_init_equals_model_init():
