@@ -3,8 +3,9 @@
   python -m benchmarks.checkpoint_scale --out=benchmarks/results/checkpoint_scale_h200.json   # one H200
   python -m benchmarks.checkpoint_scale --smoke --out=/tmp/checkpoint_smoke.json             # tiny, any machine
 
-A llama13b-shaped model with as many layers as the workdir's disk holds one checkpoint of (at most --max_layers);
-the master weights and optimizer state of a third of its groups on the device (as the plan keeps most of llama13b's
+A llama13b-shaped model with as many layers as the workdir's disk holds one checkpoint of (at most --max_layers),
+one layer per group but the last (--tail_layers); the master weights and optimizer state of a third of its groups on
+the device (as the plan keeps most of llama13b's
 there), the rest in pinned host memory, and XLA's pinned pool capped just above what the step keeps there (as the
 full model fills it on one H200). One process: 3 steps, a save, 3 more steps (the
 uninterrupted run); then the state is freed, restored from the checkpoint and the same 3 steps run again; their
@@ -12,6 +13,7 @@ losses must equal the uninterrupted ones. Host memory (RSS, sampled every 5 ms) 
 save / restore is the staging; it must stay within the checkpointer's budget.
 """
 
+import dataclasses
 import gc
 import json
 import os
@@ -29,6 +31,7 @@ from sljax.checkpoint import Checkpointer
 from sljax.machines import GIB, PINNED_POOL_ENV, reserve_gpu_memory
 from sljax.memory import PeakResident, resident_bytes, tree_bytes
 from sljax.optim import OptimConfig, make_optimizer
+from sljax.schedule import group_bounds, state_on_device
 
 define_flags("Tiny model on CPU: checks the code path in seconds.")
 flags.DEFINE_string("workdir", "/tmp/sljax_checkpoint_scale", "Where the checkpoint is written (removed after).")
@@ -37,6 +40,7 @@ flags.DEFINE_integer("rows", 32, "Sequences per step (4 sub-batches).")
 flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 flags.DEFINE_float("staging_gib", 4.0, "The checkpointer's staging budget.")
 flags.DEFINE_float("pool_margin_gib", 4.0, "XLA's pinned pool is capped this far above what the step keeps there.")
+flags.DEFINE_integer("tail_layers", 0, "The last group's layers (EngineConfig.tail_layers; 0: one layer like the rest).")
 FLAGS = flags.FLAGS
 
 # Host bytes per layer parameter with every group's state in pinned memory: fp32 master 4, Adam's bf16 first moment
@@ -63,15 +67,20 @@ def _free_disk(path: str) -> int:
   return shutil.disk_usage(path).free
 
 
-def device_state_groups(cfg) -> int:
-  return cfg.num_layers // 3
+def engine_config(cfg) -> sljax.EngineConfig:
+  groups = len(group_bounds(cfg.num_layers, 1, FLAGS.tail_layers))
+  return sljax.EngineConfig(sub_batches=4, live_layers=1, grad_clip_norm=1.0, tail_layers=FLAGS.tail_layers,
+                            device_state_groups=groups // 3)
 
 
 def pool_limit_gib(cfg, rows, seq_len) -> int:
   """What the step keeps in pinned memory (state, weight copies, parked gradients, the activation stash) + margin."""
-  stash = (cfg.num_layers - 1) * rows * seq_len * cfg.hidden_size * 2
-  host_groups = cfg.num_layers - device_state_groups(cfg)
-  host = host_groups * cfg.layer_param_count() * HOST_BYTES_PER_PARAM + stash
+  engine = engine_config(cfg)
+  bounds = group_bounds(cfg.num_layers, 1, engine.tail_layers)
+  stash = (len(bounds) - 1) * rows * seq_len * cfg.hidden_size * 2
+  host_layers = sum(b - a for (a, b), on_device in zip(bounds, state_on_device(len(bounds), engine.device_state_groups))
+                    if not on_device)
+  host = host_layers * cfg.layer_param_count() * HOST_BYTES_PER_PARAM + stash
   return int(host / GIB + FLAGS.pool_margin_gib + 1)
 
 
@@ -83,9 +92,7 @@ def main(argv):
 
   model = build(cfg)
   optim_cfg = OptimConfig(learning_rate=3e-4, warmup_steps=1, moments_dtype="bfloat16", grad_clip_norm=1.0)
-  engine = sljax.Engine(model, make_optimizer(optim_cfg, clip=False),
-                        sljax.EngineConfig(sub_batches=4, live_layers=1, grad_clip_norm=1.0,
-                                           device_state_groups=device_state_groups(cfg)))
+  engine = sljax.Engine(model, make_optimizer(optim_cfg, clip=False), engine_config(cfg))
   rng = np.random.default_rng(0)
   batches = [batch_of(rows, seq_len, cfg.vocab_size, rng) for _ in range(6)]
 
@@ -135,7 +142,9 @@ def main(argv):
   result = {
       **provenance(), "model": f"llama13b shapes, {cfg.num_layers} layers" if not FLAGS.smoke else "llama-tiny",
       "batch": f"{rows} x {seq_len}, 4 sub-batches, clipping 1.0, bf16 first moment",
-      "placement": f"{device_state_groups(cfg)} of {cfg.num_layers} groups' state on the device, the rest on the host",
+      "placement": f"{engine.cfg.device_state_groups} of {len(engine.groups)} groups' state on the device (the last "
+                   f"group {engine.groups[-1][1] - engine.groups[-1][0]} layer(s), the others one), the rest on the host",
+      "engine": dataclasses.asdict(engine.cfg),
       "state_gib": tree_bytes(abstract) / GIB, "host_resident_state_gib": host_resident / GIB,
       "device_resident_state_gib": device_resident / GIB,
       "pinned_pool_limit_gib": float(os.environ.get(PINNED_POOL_ENV, 0)),

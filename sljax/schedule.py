@@ -45,6 +45,7 @@ devices. PCIe traffic per device is the single-device schedule's, for its shards
 import collections
 import dataclasses
 import functools
+import weakref
 from typing import Callable, NamedTuple
 
 import jax
@@ -100,6 +101,11 @@ def group_bounds(num_layers: int, live_layers: int, tail_layers: int = 0) -> lis
           + ([(head, num_layers)] if tail_layers else []))
 
 
+def _alive(refs: list) -> list:
+  """The arrays behind weak references that are still held and not deleted."""
+  return [x for x in (ref() for ref in refs) if x is not None and not x.is_deleted()]
+
+
 def _add(acc, grads):
   return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
 
@@ -143,6 +149,8 @@ class Engine:
       raise ValueError(f"tail_layers must be in 0..{num_layers} (the model's layers), got {cfg.tail_layers}")
     self.model, self.optimizer, self.cfg = model, optimizer, cfg
     self.place = placement or Placement.single()
+    # Both hold weak references: a state the caller drops (for a restored one, say) is freed at once, not kept alive
+    # in pinned memory by the engine's bookkeeping.
     self._retired = collections.deque()  # lists of replaced host buffers, oldest first (see _retire)
     # Host groups' new state as it leaves the device (see _admit); bounded, for callers of `calls.apply` that never
     # admit (the step always admits before it appends, so nothing is dropped unwaited).
@@ -453,7 +461,7 @@ class Engine:
     if self.state_on_device[g]:
       return
     while len(self._written_back) >= UPDATES_IN_FLIGHT:  # a group replaced since then has had its buffers freed
-      jax.block_until_ready([x for x in jax.tree.leaves(self._written_back.popleft()) if not x.is_deleted()])
+      jax.block_until_ready(_alive(self._written_back.popleft()))
 
   def _take(self, tree):
     """Moves host-resident state to the device and retires its host buffers (device state moves nowhere)."""
@@ -465,9 +473,9 @@ class Engine:
     """Frees replaced pinned host buffers RETIRE_LAG retirements after their last copy was issued. A step consumes
     its input state (as donation does on the device), so host state is never held twice (on the H200, holding it
     twice overflowed XLA's pinned pool for llama13b); the lag keeps each free clear of copies still in flight."""
-    self._retired.append([x for x in jax.tree.leaves(tree) if x.sharding.memory_kind == HOST])
+    self._retired.append([weakref.ref(x) for x in jax.tree.leaves(tree) if x.sharding.memory_kind == HOST])
     while len(self._retired) > RETIRE_LAG:
-      for x in self._retired.popleft():
+      for x in _alive(self._retired.popleft()):
         x.delete()
 
   def _finish_group(self, g: int, incoming, grads, ok, new_groups: list, parked_grads: list):
@@ -490,7 +498,7 @@ class Engine:
   def _written(self, g: int, group: dict) -> dict:
     """Notes a host group's new state, whose copies out free the device memory its update held."""
     if not self.state_on_device[g]:
-      self._written_back.append(group)
+      self._written_back.append([weakref.ref(x) for x in jax.tree.leaves(group)])
     return group
 
   # ---- the pieces, for other orders of the same calls -----------------------------------------------------------
