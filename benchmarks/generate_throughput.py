@@ -40,6 +40,10 @@ flags.DEFINE_integer("batch", 0, "Rows (0: the plan's choice).")
 flags.DEFINE_integer("sub_batches", 0, "Sub-batches (0: the plan's choice).")
 flags.DEFINE_integer("live_layers", 1, "Layers per group.")
 flags.DEFINE_integer("resident_layers", -1, "Layers kept on the device (-1: the plan's choice).")
+flags.DEFINE_enum("streamed_bits", "16", ["16", "8", "4"], "Streamed layers' matmul kernels: bf16, or int8 / int4 "
+                  "codes with a scale per --weight_group_size rows (sljax.quant), dequantized on the device.")
+flags.DEFINE_enum("resident_bits", "16", ["16", "8", "4"], "The same for the layers kept on the device.")
+flags.DEFINE_integer("weight_group_size", 128, "Rows per scale of compressed kernels.")
 flags.DEFINE_bool("kv_on_host", None, "KV cache in pinned host memory (default: the plan's choice).")
 flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit less a margin).")
 flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan may use (below XLA's pinned pool cap).")
@@ -94,7 +98,8 @@ def run_model(name: str, bandwidth: dict) -> dict:
   host_budget = int(FLAGS.host_memory_gib * GIB) or host_budget
   fixed = dict(batch=FLAGS.batch or None, sub_batches=FLAGS.sub_batches or None, live_layers=FLAGS.live_layers,
                resident_layers=None if FLAGS.resident_layers < 0 else FLAGS.resident_layers,
-               kv_on_host=FLAGS.kv_on_host)
+               kv_on_host=FLAGS.kv_on_host, streamed_bits=int(FLAGS.streamed_bits),
+               resident_bits=int(FLAGS.resident_bits), weight_group_size=FLAGS.weight_group_size)
   if FLAGS.smoke:
     fixed.update(batch=fixed["batch"] or 4, sub_batches=fixed["sub_batches"] or 2, resident_layers=1,
                  kv_on_host=True if fixed["kv_on_host"] is None else fixed["kv_on_host"])
@@ -122,7 +127,10 @@ def measure(cfg, chosen, prompt_len: int, new_tokens: int, bandwidth: dict) -> d
   init_seconds = time.perf_counter() - start
   streamed = [id(group) for group, resident in zip(weights["groups"], generator.resident) if not resident]
   distinct = len(set(streamed))
-  weights_note = f"random bf16, {distinct} distinct pinned-host buffers for {len(streamed)} streamed groups"
+  kinds = {f"{what} int{bits} kernels" for what, bits in (("streamed", offload.streamed_bits),
+                                                          ("resident", offload.resident_bits)) if bits < 16}
+  weights_note = (f"random bf16{' (' + ', '.join(sorted(kinds)) + ')' if kinds else ''}, {distinct} distinct "
+                  f"pinned-host buffers for {len(streamed)} streamed groups")
   if distinct < len(streamed):
     weights_note += " (reused: the same bytes cross PCIe and the same FLOPs run, but the weights repeat)"
 

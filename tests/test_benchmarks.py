@@ -99,11 +99,12 @@ def test_train_throughput_names_an_unknown_case(tmp_path):
 
 
 def test_generate_throughput_smoke_streams_and_counts_the_bytes(tmp_path):
-  result = smoke("generate_throughput", tmp_path, "--models=llama70b")
+  result = smoke("generate_throughput", tmp_path, "--models=llama70b", "--streamed_bits=4", "--weight_group_size=8")
   assert has_provenance(result, "generate_throughput")
   (run,) = result["results"]
   assert run["generation_tokens_per_s"] > 0 and run["counted_bytes_moved"]["host_to_device"] > 0
-  assert run["config"]["plan"]["offload"]["kv_on_host"]
+  assert run["config"]["plan"]["offload"]["kv_on_host"] and run["config"]["plan"]["offload"]["streamed_bits"] == 4
+  assert "streamed int4 kernels" in run["weights"]
 
 
 def test_train_scaling_smoke_runs_fsdp_over_two_devices(tmp_path):
