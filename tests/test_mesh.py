@@ -51,6 +51,12 @@ def placement(data, fsdp):
   return Placement(make_mesh({"data": data, "fsdp": fsdp}))
 
 
+def with_devices(count: int) -> str:
+  """This process's XLA_FLAGS (conftest.py's compile flags) for a subprocess with `count` host devices."""
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+  return f"--xla_force_host_platform_device_count={count} {flags}".strip()
+
+
 def rel_error(got, want):
   flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
   return np.linalg.norm(flat(got) - flat(want)) / np.linalg.norm(flat(want))
@@ -278,7 +284,7 @@ def test_two_processes_train_like_one(tmp_path):
   """Two processes of 2 CPU devices each (mesh data 2 x fsdp 2: fsdp within a process, data across) run two steps;
   their losses equal one process's on a 2 x 2 mesh."""
   address = f"127.0.0.1:{_free_port()}"
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={WORKER_DEVICES}", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=with_devices(WORKER_DEVICES), JAX_PLATFORMS="cpu")
   workers = [subprocess.Popen([sys.executable, __file__, address, str(i), str(tmp_path / f"{i}.json")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
   want = _losses(*_worker_engine(placement(2, WORKER_DEVICES)))
@@ -295,7 +301,7 @@ def test_a_signal_to_one_host_stops_every_host_after_the_same_step(tmp_path):
   """SIGTERM reaches only the second of two train.py processes: both finish the same step, save it and exit 0
   (without agreeing, the first would wait forever in the next step's collectives)."""
   address, workdir, log = f"127.0.0.1:{_free_port()}", tmp_path / "run", tmp_path / "loss.jsonl"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=with_devices(1), JAX_PLATFORMS="cpu")
   tiny = ["--set=num_layers=2", "--set=hidden_size=32", "--set=intermediate_size=64", "--set=num_heads=2",
           "--seq_len=16", "--batch_size=4", "--max_tokens=10000000", "--log_every=1", "--steps=100000",
           "--checkpoint_every=100000"]
