@@ -129,19 +129,19 @@ def _call_peak(model, call: str, layers: int, sub_batch: int, seq_len: int) -> i
   key = (type(model), model.cfg, call, layers, sub_batch, seq_len)
   if key in _PEAKS:
     return _PEAKS[key]
-  engine = Engine(model, optax.sgd(0.0), EngineConfig())
+  calls = Engine(model, optax.sgd(0.0), EngineConfig()).calls
   sizes = model_sizes(model)
   shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
-  weights = jax.eval_shape(lambda: engine.cast_layers(model.init_layers(jax.random.split(jax.random.key(0), layers))))
+  weights = jax.eval_shape(lambda: calls.cast(model.init_layers(jax.random.split(jax.random.key(0), layers))))
   x = shape(sub_batch, seq_len, sizes.hidden)
-  grads = jax.eval_shape(engine._zeros, weights)
+  grads = jax.eval_shape(calls.zeros, weights)
   if call == "last_group":
     outer = jax.eval_shape(lambda: model.init_outer(jax.random.key(0)))
     args = (weights, outer, x, shape(sub_batch, seq_len, dtype=jnp.int32), shape(sub_batch, seq_len, dtype=jnp.float32),
-            shape(dtype=jnp.float32), grads, jax.eval_shape(engine._zeros, outer))
+            shape(dtype=jnp.float32), grads, jax.eval_shape(calls.zeros, outer))
   else:
     args = (weights, x, x, grads)
-  analysis = getattr(engine, f"_{call}").lower(*args).compile().memory_analysis()
+  analysis = getattr(calls, call).lower(*args).compile().memory_analysis()
   _PEAKS[key] = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
   return _PEAKS[key]
 
