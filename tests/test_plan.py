@@ -216,3 +216,38 @@ def test_the_tail_takes_only_the_device_memory_left_over():
   budget, groups = budget_keeping(model, 8, 4, 1, 2, sub_batches=2)
   plan = make_plan(model, 8, 4, budget, sub_batches=2)
   assert plan.engine.tail_layers == 0 and plan.groups == groups == 4 and plan.engine.device_state_groups == 2
+
+
+@pytest.mark.xfail(strict=True, reason="known drift (#16 item 4): the plan leaves out the replaced host buffers that "
+                   "wait RETIRE_LAG retirements to be freed (about two host groups' state and weights) and, with "
+                   "clipping, host groups' state brought STATE_LEAD groups ahead beyond UPDATES_IN_FLIGHT")
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_live_bytes_after_every_dispatch_stay_within_the_plan(clip):
+  """What the engine holds, per memory kind, after each of its calls and transfers over steady steps, against what
+  its plan says it holds (less the compiled calls' scratch, which no live array shows)."""
+  model = tiny_model(6, 32)
+  budget, _ = budget_keeping(model, 8, 4, 1, 2, sub_batches=2, clip=clip)
+  plan = make_plan(model, 8, 4, budget, sub_batches=2, grad_clip_norm=clip)
+  engine = Engine(model, optax.adamw(1e-3), plan.engine)
+  peaks = {"device": 0, "pinned_host": 0}
+
+  def recorded(fn):
+    def call(*args, **kwargs):
+      out = fn(*args, **kwargs)
+      live = [x for x in jax.live_arrays() if not x.is_deleted()]
+      for kind in peaks:
+        peaks[kind] = max(peaks[kind], sum(x.nbytes for x in live if x.sharding.memory_kind == kind))
+      return out
+    return call
+
+  for name in ("_embed", "_forward", "_last_group", "_backward", "_embed_backward", "_update", "_zeros", "_cast"):
+    setattr(engine, name, recorded(getattr(engine, name)))
+  object.__setattr__(engine.place, "_put", recorded(engine.place._put))  # every transfer
+  state = engine.init(jax.random.key(0))
+  tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (4, 9)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((4, 8), np.float32)}
+  for _ in range(4):
+    state, _ = engine.step(state, batch)
+  device = sum(plan.device_bytes.values()) - plan.device_bytes["compiled step peak"]
+  host = sum(plan.host_bytes.values())
+  assert peaks["device"] <= device and peaks["pinned_host"] <= host, (peaks, device, host)
