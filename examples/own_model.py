@@ -26,7 +26,8 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 import sljax  # noqa: E402
-from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig  # noqa: E402
+from sljax import generate_plan  # noqa: E402
+from sljax.generate import OffloadedGenerator, SamplingConfig  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +177,9 @@ def main():
     state, loss = engine.step(state, batch)  # consumes state: only the returned one is used
     if step % 5 == 0:
       print(f"step {step}: loss {float(loss):.3f}")
-  generator = OffloadedGenerator(model, OffloadConfig(sub_batches=1, live_layers=2))
+  layout = generate_plan.plan(model, 8, 8, *generate_plan.memory_budgets(), batch=1, live_layers=2)
+  print(layout.describe(model))
+  generator = OffloadedGenerator(model, layout.offload)
   weights = generator.load(jax.tree.map(np.asarray, engine.params(state)))
   out = generator.generate(weights, [list(batch["inputs"][0, :8])], SamplingConfig(max_new_tokens=8))
   print("prompt", batch["inputs"][0, :8].tolist(), "->", out.tokens[0].tolist(),

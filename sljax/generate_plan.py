@@ -1,9 +1,10 @@
 """The generation planner: the layout of a generation (batch, sub-batches, resident layers, the KV cache's place)
 with the best estimated throughput that fits given memory budgets, from the bytes a generation keeps (`footprint`)
-and moves (`pass_cost`) in sljax.generate's loop, and the machine's rates (sljax.machines)."""
+and moves (`pass_cost`) in sljax.generate's loop, and the machine's rates (sljax.machines). Any
+models.common.GenerationModel plans: its sizes come from its params' shapes and one traced layer (`generation_sizes`)."""
 
 import dataclasses
-import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -11,42 +12,135 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.presets import build
+from models.common import check_model
 from sljax.generate import IN_FLIGHT, OffloadConfig, layer_groups
 from sljax.machines import GIB, REFERENCE, Machine, default_budget
 from sljax.memory import tree_bytes
 from sljax.quant import QuantConfig, quantize_layers
 
 
-def _sizes(cfg: ModelConfig) -> tuple[int, int, int]:
+@dataclasses.dataclass(frozen=True)
+class GenerationSizes:
+  """What the generation planner needs of a model, read from its params' shapes and one cached layer's jaxpr: any
+  models.common.GenerationModel plans, not only the presets (for which these are the config's own numbers)."""
+
+  num_layers: int
+  max_positions: int
+  dtype: jnp.dtype  # the compute dtype: the generator keeps every leaf in it
+  layer_params: int
+  layer_bytes: int  # one layer's weights in the compute dtype
+  outer_bytes: int  # embeddings, final norm, head
+  kv_bytes_per_token: int  # one layer's keys + values for one token of one row
+  hidden: int  # D
+  heads: int  # attention score rows per query token: the query heads
+  ffn: int  # the widest per-token intermediate other than D: the MLP's
+  head_flops_per_token: int  # 2 x the head's vocab x width
+
+
+_SIZES: dict = {}  # by _key
+_STORED: dict = {}  # compressed layer bytes by (_key, bits, group size)
+# A query length and a cache length no layer dimension is likely to equal, to tell the attention scores
+# [.., S, T] and the per-token intermediates [1, S, X] apart in the traced layer.
+_PROBE_S, _PROBE_T = 11, 13
+
+
+def generation_sizes(model) -> GenerationSizes:
+  """`model`'s sizes (a GenerationModel, or a preset's ModelConfig, which is built), by jax.eval_shape and
+  jax.make_jaxpr: nothing is allocated or compiled."""
+  model = _built(model)
+  key = _key(model)
+  if key not in _SIZES:
+    _SIZES[key] = _read_sizes(model)
+  return _SIZES[key]
+
+
+def _built(model):
+  return build(model) if isinstance(model, ModelConfig) else model
+
+
+def _key(model):
+  """What the planner's caches know a model by: its type and config, or (a config that is not hashable) itself."""
+  try:
+    hash((type(model), model.cfg))
+    return type(model), model.cfg
+  except TypeError:
+    return id(model)
+
+
+def _read_sizes(model) -> GenerationSizes:
+  check_model(model, generation=True)
+  cfg, rng = model.cfg, jax.random.key(0)
+  dtype = jnp.dtype(cfg.dtype)
+  cast = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), tree)
+  layer = cast(jax.eval_shape(lambda: model.init_layers(jax.random.split(rng, 1))))
+  outer = cast(jax.eval_shape(model.init_outer, rng))
+  one = lambda *shape, kind=jnp.int32: jax.ShapeDtypeStruct(shape, kind)
+  hidden = jax.eval_shape(model.embed, outer, one(1, 1), one(1, 1)).shape[-1]
+  vocab = jax.eval_shape(model.logits, outer, one(1, 1, hidden, kind=dtype)).shape[-1]
+  width = max((d for x in jax.tree.leaves(outer) if x.ndim == 2 and vocab in x.shape for d in x.shape if d != vocab),
+              default=hidden)  # the head's (or the tied embedding's) other dimension
+  s, t = _PROBE_S, _PROBE_T
+  cache = jax.eval_shape(lambda: model.init_cache(1, 1, t))
+  jaxpr = jax.make_jaxpr(lambda w, h, c, start: model.layers_cached(w, h, c, 0, start))(
+      layer, one(1, s, hidden, kind=dtype), cache, one(1))
+  shapes = [v.aval.shape for eqn in _equations(jaxpr.jaxpr) for v in eqn.outvars if hasattr(v.aval, "shape")]
+  heads = max((math.prod(shape) // (s * t) for shape in shapes if len(shape) >= 2 and shape[-2:] == (s, t)), default=1)
+  ffn = max((shape[-1] for shape in shapes if len(shape) == 3 and shape[:2] == (1, s) and shape[-1] != hidden),
+            default=hidden)
+  count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+  return GenerationSizes(
+      num_layers=cfg.num_layers, max_positions=cfg.max_positions, dtype=dtype, layer_params=count(layer),
+      layer_bytes=tree_bytes(layer), outer_bytes=tree_bytes(outer),
+      kv_bytes_per_token=tree_bytes(jax.eval_shape(lambda: model.init_cache(1, 1, 1))), hidden=hidden, heads=heads,
+      ffn=ffn, head_flops_per_token=2 * vocab * width)
+
+
+def _equations(jaxpr):
+  """Every equation of a jaxpr, those of the jaxprs inside it (scan bodies, calls) included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for inner in (param if isinstance(param, (tuple, list)) else [param]):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          yield from _equations(inner)
+
+
+def _sizes(model) -> tuple[int, int, int]:
   """Bytes of one layer's weights, of the outer weights, and of one layer's keys + values for one token."""
-  item = jnp.dtype(cfg.dtype).itemsize
-  return (cfg.layer_param_count() * item, cfg.outer_param_count() * item, 2 * cfg.kv_heads * cfg.head_dim * item)
+  sizes = generation_sizes(model)
+  return sizes.layer_bytes, sizes.outer_bytes, sizes.kv_bytes_per_token
 
 
-@functools.cache
-def stored_layer_bytes(cfg: ModelConfig, bits: int, group_size: int) -> int:
+def stored_layer_bytes(model, bits: int, group_size: int) -> int:
   """Bytes of one layer as the generator keeps it: in the compute dtype (16), or with int8 / int4 kernels and their
   scales (sljax.quant), from the shapes of the model's own params."""
   if bits == 16:
-    return _sizes(cfg)[0]
-  model = build(cfg)
-  layer = jax.eval_shape(lambda: jax.tree.map(lambda x: x.astype(cfg.dtype),
-                                              model.init_layers(jax.random.split(jax.random.key(0), 1))))
-  packed = jax.eval_shape(lambda tree: quantize_layers(tree, QuantConfig(bits=bits, group_size=group_size)), layer)
-  return tree_bytes(packed)
+    return _sizes(model)[0]
+  model = _built(model)
+  key = (_key(model), bits, group_size)
+  if key not in _STORED:
+    dtype = generation_sizes(model).dtype
+    layer = jax.eval_shape(lambda: jax.tree.map(lambda x: x.astype(dtype),
+                                                model.init_layers(jax.random.split(jax.random.key(0), 1))))
+    packed = jax.eval_shape(lambda tree: quantize_layers(tree, QuantConfig(bits=bits, group_size=group_size)), layer)
+    _STORED[key] = tree_bytes(packed)
+  return _STORED[key]
 
 
-def _stored(cfg: ModelConfig, offload: OffloadConfig) -> tuple[int, int]:
+def _stored(model, offload: OffloadConfig) -> tuple[int, int]:
   """(bytes of a streamed layer, of a resident layer) as stored."""
-  return tuple(stored_layer_bytes(cfg, bits, offload.weight_group_size)
+  return tuple(stored_layer_bytes(model, bits, offload.weight_group_size)
                for bits in (offload.streamed_bits, offload.resident_bits))
 
 
-def footprint(cfg: ModelConfig, offload: OffloadConfig, batch: int, prompt_len: int, max_len: int) -> tuple[int, int]:
-  """(device bytes, pinned host bytes) that a generation keeps at its peak (the prompt's pass)."""
-  layer, outer, kv_token = _sizes(cfg)
-  streamed_layer, resident_layer = _stored(cfg, offload)
-  item = jnp.dtype(cfg.dtype).itemsize
+def footprint(model, offload: OffloadConfig, batch: int, prompt_len: int, max_len: int) -> tuple[int, int]:
+  """(device bytes, pinned host bytes) that a generation keeps at its peak (the prompt's pass); `model` as in
+  generation_sizes."""
+  cfg = generation_sizes(model)
+  layer, outer, kv_token = _sizes(model)
+  streamed_layer, resident_layer = _stored(model, offload)
+  item = cfg.dtype.itemsize
   rows = batch // offload.sub_batches
   streamed = cfg.num_layers - offload.resident_layers
   live = min(offload.live_layers, max(streamed, 1))
@@ -54,8 +148,8 @@ def footprint(cfg: ModelConfig, offload: OffloadConfig, batch: int, prompt_len: 
   cache = cfg.num_layers * batch * max_len * kv_token
   # One call's temporaries: attention scores over every slot (fp32, their fp32 softmax, its cast back), the MLP,
   # the projections, and the group's cache written anew (scan outputs do not alias their inputs).
-  scores = rows * cfg.num_heads * prompt_len * max_len * (4 + 4 + item)
-  temporaries = scores + rows * prompt_len * (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * item + group_cache
+  scores = rows * cfg.heads * prompt_len * max_len * (4 + 4 + item)
+  temporaries = scores + rows * prompt_len * (3 * cfg.ffn + 6 * cfg.hidden) * item + group_cache
   in_flight = IN_FLIGHT + 1
   device = outer + offload.resident_layers * resident_layer + (in_flight * live * streamed_layer if streamed else 0)
   if min(offload.streamed_bits, offload.resident_bits) < 16:
@@ -63,7 +157,7 @@ def footprint(cfg: ModelConfig, offload: OffloadConfig, batch: int, prompt_len: 
     device += 2 * offload.live_layers * layer
   device += in_flight * group_cache if offload.kv_on_host else cache
   # Hidden states in and out; one call's scratch, which the next call reuses (the device runs them in order).
-  device += 2 * batch * prompt_len * cfg.hidden_size * item + temporaries
+  device += 2 * batch * prompt_len * cfg.hidden * item + temporaries
   host = streamed * streamed_layer + (cache if offload.kv_on_host else 0)
   return device, host
 
@@ -74,19 +168,20 @@ class PassCost(NamedTuple):
   seconds: float  # estimate: the slowest of copies in, out, both at once, FLOPs, memory reads and dispatch
 
 
-def pass_cost(cfg: ModelConfig, offload: OffloadConfig, batch: int, seq: int, max_len: int, prompt: bool,
+def pass_cost(model, offload: OffloadConfig, batch: int, seq: int, max_len: int, prompt: bool,
               machine: Machine = REFERENCE) -> PassCost:
   """Bytes moved and estimated time of one pass of `seq` tokens per row (the prompt's pass, or one decode pass), at
   `machine`'s rates."""
-  layer, outer, kv_token = _sizes(cfg)
-  streamed_layer, resident_layer = _stored(cfg, offload)
+  cfg = generation_sizes(model)
+  layer, outer, kv_token = _sizes(model)
+  streamed_layer, resident_layer = _stored(model, offload)
   streamed = cfg.num_layers - offload.resident_layers
   cache = cfg.num_layers * batch * max_len * kv_token
   cache_in = cache if offload.kv_on_host and not prompt else 0  # the prompt's pass starts its caches on the device
   cache_out = cache if offload.kv_on_host else 0
   copied_in = streamed * streamed_layer + cache_in
-  flops = batch * seq * cfg.num_layers * (2 * cfg.layer_param_count() + 4 * max_len * cfg.hidden_size)
-  flops += 2 * batch * cfg.vocab_size * cfg.embed_dim
+  flops = batch * seq * cfg.num_layers * (2 * cfg.layer_params + 4 * max_len * cfg.hidden)
+  flops += batch * cfg.head_flops_per_token
   calls = len(layer_groups(cfg.num_layers, offload.resident_layers, offload.live_layers)[0])
   # Device memory traffic: every sub-batch reads every layer's weights and the caches; a compressed layer is first
   # dequantized once (its codes read, its kernels written).
@@ -127,18 +222,19 @@ class Plan:
     return {**dataclasses.asdict(self), "prefill": self.prefill._asdict(), "decode": self.decode._asdict(),
             "tokens_per_s": self.tokens_per_s, "decode_bytes_per_token": self.decode_bytes_per_token}
 
-  def describe(self, cfg: ModelConfig) -> str:
+  def describe(self, model) -> str:
     o, n = self.offload, self.offload.sub_batches
-    layer, _, kv_token = _sizes(cfg)
+    cfg = generation_sizes(model)
+    layer, _, kv_token = _sizes(model)
     streamed = cfg.num_layers - o.resident_layers
     max_len = self.prompt_len + self.new_tokens
     cache = cfg.num_layers * self.batch * max_len * kv_token
     return "\n".join([
         f"batch {self.batch} = {n} sub-batch{'es' * (n > 1)} of {self.batch // n} rows; "
         f"prompt {self.prompt_len} + {self.new_tokens} new tokens ({max_len} cache slots per row)",
-        f"weights ({cfg.dtype}): {o.resident_layers} of {cfg.num_layers} layers resident on the device, {streamed} "
+        f"weights ({cfg.dtype.name}): {o.resident_layers} of {cfg.num_layers} layers resident on the device, {streamed} "
         f"streamed from pinned host in groups of {o.live_layers} ({layer / 1e9:.3g} GB per layer)" + "".join(
-            f"; {what} kernels as int{bits} ({stored_layer_bytes(cfg, bits, o.weight_group_size) / 1e9:.3g} GB "
+            f"; {what} kernels as int{bits} ({stored_layer_bytes(model, bits, o.weight_group_size) / 1e9:.3g} GB "
             f"per layer)" for what, bits in (("streamed", o.streamed_bits), ("resident", o.resident_bits))
             if bits < 16),
         f"KV cache: {cache / GIB:.2f} GiB ({max_len * cfg.num_layers * kv_token / 2**20:.1f} MiB per row), "
@@ -152,15 +248,15 @@ class Plan:
         f"{self.tokens_per_s:.4g} generated tokens/s"])
 
 
-def _make_plan(cfg, offload, batch, prompt_len, new_tokens, budgets, machine) -> Plan:
+def _make_plan(model, offload, batch, prompt_len, new_tokens, budgets, machine) -> Plan:
   max_len = prompt_len + new_tokens
-  device, host = footprint(cfg, offload, batch, prompt_len, max_len)
+  device, host = footprint(model, offload, batch, prompt_len, max_len)
   return Plan(offload, batch, prompt_len, new_tokens, device, host, *budgets,
-              pass_cost(cfg, offload, batch, prompt_len, max_len, True, machine),
-              pass_cost(cfg, offload, batch, 1, max_len, False, machine))
+              pass_cost(model, offload, batch, prompt_len, max_len, True, machine),
+              pass_cost(model, offload, batch, 1, max_len, False, machine))
 
 
-def plan(cfg: ModelConfig, prompt_len: int, new_tokens: int, device_budget: int, host_budget: int, *,
+def plan(model, prompt_len: int, new_tokens: int, device_budget: int, host_budget: int, *,
          batch: int | None = None, sub_batches: int | None = None, live_layers: int = 1,
          resident_layers: int | None = None, kv_on_host: bool | None = None, machine: Machine = REFERENCE,
          max_batch: int = 1024, streamed_bits: int = 16, resident_bits: int = 16, weight_group_size: int = 128) -> Plan:
@@ -171,8 +267,9 @@ def plan(cfg: ModelConfig, prompt_len: int, new_tokens: int, device_budget: int,
   as many resident layers as fit. Of the layouts within 3% of the best estimate it takes the smallest batch, then the
   cache on the device, then the fewest sub-batches. Compressed layers (`streamed_bits`, `resident_bits` < 16) count
   their smaller bytes, so more of them fit on the device. Raises ValueError, with the GiB needed and available, when
-  nothing fits.
+  nothing fits. `model`: any models.common.GenerationModel, or a preset's ModelConfig (see generation_sizes).
   """
+  cfg = generation_sizes(model)  # checks the model first
   max_len = prompt_len + new_tokens
   if min(prompt_len, new_tokens, live_layers, batch or 1, sub_batches or 1, max_batch) < 1:
     raise ValueError("prompt_len, new_tokens, live_layers, batch, sub_batches and max_batch must be positive")
@@ -191,10 +288,10 @@ def plan(cfg: ModelConfig, prompt_len: int, new_tokens: int, device_budget: int,
           continue
         for r in [resident_layers] if resident_layers is not None else range(cfg.num_layers, -1, -1):
           offload = OffloadConfig(n, live_layers, r, on_host, streamed_bits, resident_bits, weight_group_size)
-          device, host = footprint(cfg, offload, b, prompt_len, max_len)
+          device, host = footprint(model, offload, b, prompt_len, max_len)
           shortfall = max(device - device_budget, 0) + max(host - host_budget, 0)
           if not shortfall:
-            fitting.append(_make_plan(cfg, offload, b, prompt_len, new_tokens, budgets, machine))
+            fitting.append(_make_plan(model, offload, b, prompt_len, new_tokens, budgets, machine))
             break  # the most resident layers that fit: fewer would only move more bytes
           if closest is None or shortfall < closest[0]:
             closest = (shortfall, offload, b, device, host)

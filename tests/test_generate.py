@@ -229,7 +229,7 @@ PLAN_ERRORS = {
 
 @pytest.mark.parametrize("message", PLAN_ERRORS)
 def test_plan_refuses_what_cannot_run(message):
-  args = dict(cfg=get_config("llama70b", dict(dtype="bfloat16")), prompt_len=512, new_tokens=32,
+  args = dict(model=get_config("llama70b", dict(dtype="bfloat16")), prompt_len=512, new_tokens=32,
               device_budget=120 * GIB, host_budget=100 * GIB)
   with pytest.raises(ValueError, match=message):
     plan(**{**args, **PLAN_ERRORS[message]})

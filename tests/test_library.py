@@ -10,6 +10,7 @@ import pytest
 import sljax
 from examples.own_model import GPT, GPTConfig, random_batch
 from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig, generate_on_device
+from sljax.generate_plan import generation_sizes, plan
 
 HUGE = sljax.Budget(device_bytes=1 << 50, host_bytes=1 << 50)
 MODEL = GPT(GPTConfig(vocab_size=64, hidden_size=32, num_heads=2, num_layers=3, max_positions=32))
@@ -149,3 +150,20 @@ def test_loss_is_the_weighted_mean(setup):
   np.testing.assert_allclose(float(losses[1.0]), float(jnp.sum(token_losses * weights) / weights.sum()), rtol=1e-6)
   np.testing.assert_allclose(float(losses[0.01]), float(losses[1.0]), rtol=1e-6)
   assert float(losses[0.0]) == 0.0
+
+
+def test_own_model_plans_its_generation_from_its_shapes():
+  """The generation planner reads a model of the contract as it reads the presets: weights, cache, the attention
+  scores' and the MLP's widths from the params' shapes and one traced layer, no config field beyond the contract's."""
+  sizes = generation_sizes(MODEL)
+  d, f, heads = 32, 128, 2  # the GPT's MLP is 4 x d wide
+  assert (sizes.hidden, sizes.ffn, sizes.heads) == (d, f, heads)
+  assert sizes.layer_params == sljax.model_sizes(MODEL).layer_params and sizes.kv_bytes_per_token == 2 * d * 4
+  assert sizes.head_flops_per_token == 2 * 64 * d  # tied head: vocab x width
+  chosen = plan(MODEL, 8, 4, 1 << 40, 1 << 40, batch=2)
+  assert chosen.offload.resident_layers == 3 and "3 of 3 layers resident" in chosen.describe(MODEL)
+  prompts, sampling = [[1, 2, 3], [4, 5]], SamplingConfig(max_new_tokens=4)
+  params = {"outer": MODEL.init_outer(jax.random.key(3)), "layers": MODEL.init_layers(jax.random.split(jax.random.key(4), 3))}
+  generator = OffloadedGenerator(MODEL, chosen.offload)
+  got = generator.generate(generator.load(jax.tree.map(np.asarray, params)), prompts, sampling)
+  np.testing.assert_array_equal(got.tokens, generate_on_device(MODEL, params, prompts, sampling).tokens)
