@@ -408,3 +408,16 @@ def test_the_plan_counts_compressed_layers_at_the_bytes_the_generator_stores(bit
   kept = {b: plan(llama70b, 512, 32, 130 * GIB, 94 * GIB, streamed_bits=b, resident_bits=b).offload.resident_layers
           for b in (16, bits)}
   assert kept[bits] > kept[16]  # smaller resident layers: more of them fit on the device
+
+
+@pytest.mark.parametrize("name", ["llama70b", "opt-350m"])
+def test_generation_sizes_from_shapes_are_the_presets_own_numbers(name):
+  """Read from the params' shapes and one traced layer, a preset's sizes are its config's: its plans are what they
+  were when the planner read the config's fields (grouped-query attention; OPT-350m's narrower embeddings)."""
+  cfg = get_config(name, dict(dtype="bfloat16"))
+  sizes = gen_plan.generation_sizes(cfg)
+  assert (sizes.layer_params, sizes.layer_bytes, sizes.outer_bytes, sizes.kv_bytes_per_token) == (
+      cfg.layer_param_count(), 2 * cfg.layer_param_count(), 2 * cfg.outer_param_count(),
+      2 * cfg.kv_heads * cfg.head_dim * 2)
+  assert (sizes.hidden, sizes.heads, sizes.ffn, sizes.head_flops_per_token) == (
+      cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, 2 * cfg.vocab_size * cfg.embed_dim)
