@@ -24,7 +24,8 @@ from absl import app, flags
 
 from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, set_xla_memory, write_results
 from models.presets import build, get_config
-from sljax.generate import OffloadedGenerator, SamplingConfig
+from sljax.flags import define
+from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig
 from sljax.generate_plan import memory_budgets, plan
 from sljax.machines import GIB
 from sljax.memory import Placement
@@ -37,14 +38,11 @@ flags.DEFINE_list("models", ["llama70b", "opt-30b"], "Presets to run, in order."
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens per row.")
 flags.DEFINE_integer("new_tokens", 32, "Generated tokens per row.")
 flags.DEFINE_integer("batch", 0, "Rows (0: the plan's choice).")
-flags.DEFINE_integer("sub_batches", 0, "Sub-batches (0: the plan's choice).")
-flags.DEFINE_integer("live_layers", 1, "Layers per group.")
-flags.DEFINE_integer("resident_layers", -1, "Layers kept on the device (-1: the plan's choice).")
-flags.DEFINE_enum("streamed_bits", "16", ["16", "8", "4"], "Streamed layers' matmul kernels: bf16, or int8 / int4 "
-                  "codes with a scale per --weight_group_size rows (sljax.quant), dequantized on the device.")
-flags.DEFINE_enum("resident_bits", "16", ["16", "8", "4"], "The same for the layers kept on the device.")
-flags.DEFINE_integer("weight_group_size", 128, "Rows per scale of compressed kernels.")
-flags.DEFINE_bool("kv_on_host", None, "KV cache in pinned host memory (default: the plan's choice).")
+# The layout's knobs, one flag per OffloadConfig field; those the plan searches are its choice unless given.
+OFFLOAD = define(OffloadConfig, unset={name: "the plan's choice" for name in ("sub_batches", "resident_layers",
+                                                                             "kv_on_host")},
+                 help={"resident_bits": "The same for the resident layers.",
+                       "weight_group_size": "Rows per scale of compressed kernels."})
 flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit less a margin).")
 flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan may use (below XLA's pinned pool cap).")
 flags.DEFINE_integer("host_buffers", 0, "Distinct pinned-host weight groups per group size (0: one per streamed "
@@ -96,13 +94,10 @@ def run_model(name: str, bandwidth: dict) -> dict:
   device_budget, host_budget = memory_budgets()
   device_budget = int(FLAGS.device_memory_gib * GIB) or device_budget
   host_budget = int(FLAGS.host_memory_gib * GIB) or host_budget
-  fixed = dict(batch=FLAGS.batch or None, sub_batches=FLAGS.sub_batches or None, live_layers=FLAGS.live_layers,
-               resident_layers=None if FLAGS.resident_layers < 0 else FLAGS.resident_layers,
-               kv_on_host=FLAGS.kv_on_host, streamed_bits=int(FLAGS.streamed_bits),
-               resident_bits=int(FLAGS.resident_bits), weight_group_size=FLAGS.weight_group_size)
+  fixed = dict(OFFLOAD.given(), batch=FLAGS.batch or None)
   if FLAGS.smoke:
-    fixed.update(batch=fixed["batch"] or 4, sub_batches=fixed["sub_batches"] or 2, resident_layers=1,
-                 kv_on_host=True if fixed["kv_on_host"] is None else fixed["kv_on_host"])
+    fixed = dict(fixed, batch=fixed["batch"] or 4, sub_batches=fixed.get("sub_batches", 2), resident_layers=1,
+                 kv_on_host=fixed.get("kv_on_host", True))
   failures = []
   for _ in range(FLAGS.retries + 1):
     chosen = plan(cfg, prompt_len, new_tokens, device_budget, host_budget, **fixed)
@@ -188,6 +183,10 @@ def write(results: list, bandwidth: dict):
 def main(argv):
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments {' '.join(argv[1:])}")
+  try:
+    OFFLOAD.build()  # the layout flags' own checks, before anything is allocated
+  except ValueError as error:
+    raise SystemExit(f"sljax: {error}")
   bandwidth = measure_bandwidth(int((0.01 if FLAGS.smoke else FLAGS.bandwidth_gib) * GIB))
   print("bandwidth GB/s: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bandwidth.items() if k != "buffer_bytes"),
         flush=True)

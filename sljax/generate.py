@@ -67,7 +67,7 @@ class OffloadConfig:
 
   sub_batches: int = 1  # N: the batch runs as N sub-batches that share each fetch of a group's weights
   live_layers: int = 1  # layers per group: one jitted call runs one group over one sub-batch
-  resident_layers: int = 0  # the last layers, whose weights stay on the device; the others stream from pinned host
+  resident_layers: int = 0  # layers whose weights stay on the device (spread among the others, which stream)
   kv_on_host: bool = True  # each sub-batch's KV cache waits in pinned host memory between passes
   # Streamed (and resident) layers' matmul kernels as int8 / int4 codes with a scale per group of `weight_group_size`
   # rows (sljax.quant), dequantized on the device once per pass for all sub-batches; 16: the compute dtype, exact.
