@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from benchmarks import results_tables
 from benchmarks.common import TRAINING_SMOKE
 from models.presets import get_config
 
@@ -180,3 +181,11 @@ def test_hf_accelerate_baseline_smoke(tmp_path):
   pytest.importorskip("accelerate", reason="accelerate is not in requirements.txt: the GPU machine's image has it")
   result = smoke("baselines.hf_accelerate_generate", tmp_path)
   assert result["result"]["generation_tokens_per_s"] > 0
+
+
+def test_the_readmes_result_tables_are_the_result_files_own():
+  """Every marked table in the README is what benchmarks.results_tables makes from benchmarks/results/ now."""
+  with open(os.path.join(REPO, "README.md")) as f:
+    text = f.read()
+  assert set(results_tables.readme_tables(text)) == set(results_tables.TABLES)
+  assert results_tables.with_tables(text) == text, "run python -m benchmarks.results_tables --write"

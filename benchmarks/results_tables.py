@@ -1,0 +1,123 @@
+"""The README's result tables, made from the files under benchmarks/results/: a number in the README is one of theirs.
+
+  python -m benchmarks.results_tables            # prints every table
+  python -m benchmarks.results_tables --write    # rewrites the README's tables in place
+
+Each table sits in the README between `<!-- results: NAME -->` and `<!-- end results -->`; tests/test_benchmarks.py
+checks that the README holds exactly what the files give.
+"""
+
+import json
+import os
+import re
+import statistics
+
+from absl import app, flags
+
+from benchmarks.common import REPO
+
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+README = os.path.join(REPO, "README.md")
+
+flags.DEFINE_bool("write", False, "Rewrite the README's tables instead of printing them.")
+FLAGS = flags.FLAGS
+
+# What each row ran, in words the files do not hold (their numbers come from the files).
+TRAIN_THROUGHPUT_CASES = {
+    "big_clip": "llama13b as `train.py --model=llama13b` builds it (batch 32 = 4 x 8, clip 1.0, bf16 first moment, "
+                "26 of 40 groups' state on the GPU)",
+    "big": "llama13b, batch 32, clipping off, fp32 moments (29 of 40 on the GPU)",
+    "llama7b": "all 32 layers, the offload engine's plan (8 x 2048, everything on the GPU, clip 1.0, a tail of 2 "
+               "layers)",
+    "fits/device_remat": "llama7b shape, 8 layers, batch 16, the all-on-device jitted step with remat",
+    "fits/device_no_remat": "the same without remat (fits: 16 x 2048 of 8 layers)",
+    "fits/engine": "the engine, plan placement (everything on the GPU; 2 sub-batches of 8; all 8 layers one tail "
+                   "group)",
+}
+TRAIN_PY_RUNS = {  # model: (its step, its batch)
+    "llama13b": ("offload engine, 26 of 40 groups' state on the GPU", "32 x 2048 (the plan's)"),
+    "llama7b": ("on-device (its state fits)", "8 x 2048"),
+}
+GENERATE_INT4_RUNS = {  # streamed kernels: (file, layout)
+    "bf16": ("generate_llama70b_streamed_bf16_h200.json", "46 of 80 layers resident, 16 sub-batches"),
+    "int4": ("generate_llama70b_streamed_int4_h200.json", "44 of 80 resident (bf16), 36 streamed int4, 8 sub-batches"),
+}
+
+
+def _load(name: str) -> dict:
+  with open(os.path.join(RESULTS, name)) as f:
+    return json.load(f)
+
+
+def _percent(x) -> str:
+  return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def _table(header: list[str], align: list[str], rows: list[list[str]]) -> str:
+  return "\n".join(["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|",
+                    *("| " + " | ".join(row) + " |" for row in rows)])
+
+
+def train_throughput() -> str:
+  cases = {r["case"]: r for r in _load("train_throughput_h200.json")["results"]}
+  rows = [[f"`{name}`: {words}", f"{cases[name]['tokens_per_s']:,.0f}", _percent(cases[name]["mfu"]),
+           _percent(cases[name]["hfu"]), f"{cases[name]['step_seconds']:.2f}",
+           _percent(cases[name].get("gpu_busy_fraction")), _percent(cases[name].get("ceiling_mfu_full_recompute"))]
+          for name, words in TRAIN_THROUGHPUT_CASES.items()]
+  return _table(["case", "tokens/s", "MFU", "HFU", "step (s)", "GPU busy (traced step)", "full-recompute ceiling"],
+                ["---", "---:", "---:", "---:", "---:", "---:", "---:"], rows)
+
+
+def train_py() -> str:
+  rows = []
+  for model, (step, batch) in TRAIN_PY_RUNS.items():
+    run = _load(f"train_py_{model}_default_h200.json")
+    losses = run["losses"]
+    loss = (f"{losses[0]:.2f}, {max(losses[1:]):.2f}, {statistics.mean(losses[:10]):.2f} / "
+            f"{statistics.mean(losses[-10:]):.2f}")
+    rows.append([f"`--model={model}`", step, batch, f"{run['tokens_per_s_steady']:,.0f}",
+                 _percent(run["mfu_steady"]), loss])
+  return _table(["command", "step", "batch", "steady tokens/s", "MFU",
+                 "loss: first, highest after it, mean of first / last 10"],
+                ["---", "---", "---", "---:", "---:", "---"], rows)
+
+
+def generate_int4() -> str:
+  rows = []
+  for kernels, (name, layout) in GENERATE_INT4_RUNS.items():
+    (run,) = _load(name)["results"]
+    rows.append([kernels, layout, f"{run['prefill_tokens_per_s']:,.0f}", f"{run['decode_tokens_per_s']:,.1f}",
+                 f"{run['decode_pass_seconds']:.3f}", f"{run['decode_io_seconds_per_pass_at_measured_bandwidth']:.3f}",
+                 f"{run['generation_tokens_per_s']:,.1f}"])
+  return _table(["streamed kernels", "layout", "prefill tok/s", "decode tok/s", "decode pass (s)",
+                 "its PCIe time (s)", "generated tok/s"], ["---", "---", "---:", "---:", "---:", "---:", "---:"], rows)
+
+
+TABLES = {"train_throughput": train_throughput, "train_py": train_py, "generate_int4": generate_int4}
+_SECTION = re.compile(r"(<!-- results: (?P<name>\w+) -->\n)(?P<body>.*?)(\n<!-- end results -->)", re.S)
+
+
+def readme_tables(text: str) -> dict[str, str]:
+  """{name: the table the README holds} for every marked section."""
+  return {match["name"]: match["body"] for match in _SECTION.finditer(text)}
+
+
+def with_tables(text: str) -> str:
+  """The README text with every marked section's table made anew from the files."""
+  return _SECTION.sub(lambda match: match[1] + TABLES[match["name"]]() + match[4], text)
+
+
+def main(argv):
+  del argv
+  if FLAGS.write:
+    with open(README) as f:
+      text = f.read()
+    with open(README, "w") as f:
+      f.write(with_tables(text))
+    return
+  for name, make in TABLES.items():
+    print(f"{name}:\n{make()}\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
