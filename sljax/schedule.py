@@ -76,11 +76,11 @@ class EngineConfig:
 RETIRE_LAG = 4
 # Host groups whose state may be on the device for an update at once: the one being written back while the next
 # arrives. Python dispatches far ahead of the device, so without this bound every host group's state would be
-# brought in at once (on the H200 llama13b ran out of device memory so in the forward that applies clipped updates).
+# brought in at once, more than the device holds for llama13b.
 UPDATES_IN_FLIGHT = 2
 # With clipped updates parked, a group's state (and parked gradient) is brought in this many groups before its
-# forward: one group's forward (4 x 16 ms for llama13b) is shorter than a host group's 4.6 GB copy (86 ms), which on
-# the H200 left the GPU idle before each host group.
+# forward: one group's forward (4 x 16 ms for llama13b) is shorter than a host group's 4.6 GB copy (86 ms), so one
+# group ahead would leave the GPU idle before each host group.
 STATE_LEAD = 3
 
 
@@ -389,8 +389,8 @@ class Engine:
         dxs.append(dx)
         if pending:
           # The group after this one is updated only now, so its state leaves the device behind this group's first
-          # inputs, and this group's state comes in behind them: the copy streams carry both directions, and an
-          # H200 trace showed each group's inputs waiting behind the previous group's outgoing state otherwise.
+          # inputs, and this group's state comes in behind them: the copy streams carry both directions, and
+          # otherwise each group's inputs would wait behind the previous group's outgoing state.
           self._finish_group(*pending, ok, new_groups, parked_grads)
           pending, incoming = None, None if clipping else self._take_state(g, new_groups[g])
       cotangents = dxs
@@ -471,8 +471,8 @@ class Engine:
 
   def _retire(self, tree):
     """Frees replaced pinned host buffers RETIRE_LAG retirements after their last copy was issued. A step consumes
-    its input state (as donation does on the device), so host state is never held twice (on the H200, holding it
-    twice overflowed XLA's pinned pool for llama13b); the lag keeps each free clear of copies still in flight."""
+    its input state (as donation does on the device), so host state is never held twice (llama13b's, twice, is more
+    than XLA's pinned pool holds); the lag keeps each free clear of copies still in flight."""
     self._retired.append([weakref.ref(x) for x in jax.tree.leaves(tree) if x.sharding.memory_kind == HOST])
     while len(self._retired) > RETIRE_LAG:
       for x in _alive(self._retired.popleft()):
