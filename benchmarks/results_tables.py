@@ -38,6 +38,12 @@ TRAIN_PY_RUNS = {  # model: (its step, its batch)
     "llama13b": ("offload engine, 26 of 40 groups' state on the GPU", "32 x 2048 (the plan's)"),
     "llama7b": ("on-device (its state fits)", "8 x 2048"),
 }
+VS_DEEPSPEED = {  # table: (file, run, the sljax row's words)
+    "vs_deepspeed_llama13b": ("vs_deepspeed_llama13b_h200.json", "llama13b", "plan placement"),
+    "vs_deepspeed_fits": ("vs_deepspeed_fits_h200.json", "fits", "plan: everything on the device"),
+}
+GENERATE_VS_ACCELERATE = [("llama70b", "generate_llama70b_hf_accelerate_h200.json"),
+                          ("opt-30b", "generate_opt-30b_hf_accelerate_h200.json")]
 GENERATE_INT4_RUNS = {  # streamed kernels: (file, layout)
     "bf16": ("generate_llama70b_streamed_bf16_h200.json", "46 of 80 layers resident, 16 sub-batches"),
     "int4": ("generate_llama70b_streamed_int4_h200.json", "44 of 80 resident (bf16), 36 streamed int4, 8 sub-batches"),
@@ -93,7 +99,41 @@ def generate_int4() -> str:
                  "its PCIe time (s)", "generated tok/s"], ["---", "---", "---:", "---:", "---:", "---:", "---:"], rows)
 
 
-TABLES = {"train_throughput": train_throughput, "train_py": train_py, "generate_int4": generate_int4}
+def vs_deepspeed(name: str) -> str:
+  file, run, words = VS_DEEPSPEED[name]
+  runs = _load(file)["runs"][run]
+  ours, theirs = runs["sljax"], runs["deepspeed"]
+  ratio = re.search(r"--offload_ratio auto -> ([\d.]+)", " ".join(theirs["notes"]))[1]
+  rows = [[f"sljax ({words})", f"{ours['tokens_per_s']:,.0f}", _percent(ours["mfu"]), f"{ours['step_seconds']:.2f}"],
+          [f"DeepSpeed ZeRO-3 offload (ratio {ratio})", f"{theirs['tokens_per_s']:,.0f}", _percent(theirs["mfu"]),
+           ", ".join(f"{t:#.3g}" for t in theirs["step_s"])]]
+  return _table(["system", "tokens/s", "MFU", "step (s)"], ["---", "---:", "---:", "---:"], rows)
+
+
+def generate_vs_accelerate() -> str:
+  ours = {r["model"]: r for r in _load("generate_h200.json")["results"]}
+  rows = []
+  for model, file in GENERATE_VS_ACCELERATE:
+    run, peer = ours[model], _load(file)
+    offload, layers = run["config"]["plan"]["offload"], run["config"]["model"]["num_layers"]
+    kv = "in pinned host memory" if offload["kv_on_host"] else "on the device"
+    resident = offload["resident_layers"]
+    where = (f"all {layers} layers and the KV cache {kv}" if resident == layers else
+             f"{resident} of {layers} layers resident, {layers - resident} streamed; KV cache {kv}")
+    modules = peer["modules_per_device"]
+    on_cpu, total = modules.get("cpu", 0), sum(modules.values())
+    peer_where = (f"{total - on_cpu} of {total} modules on the GPU, {on_cpu} on the CPU" if on_cpu else
+                  "everything on the GPU")
+    for system, placement, r in (("sljax", where, run), ("HF + accelerate", peer_where, peer["result"])):
+      rows.append([f"{model}, {r['batch']}", system, placement, f"{r['prefill_tokens_per_s']:,.0f}",
+                   f"{r['decode_tokens_per_s']:,.1f}", f"{r['generation_tokens_per_s']:,.1f}"])
+  return _table(["model, batch", "system", "placement", "prefill tok/s", "decode tok/s", "generated tok/s"],
+                ["---", "---", "---", "---:", "---:", "---:"], rows)
+
+
+TABLES = {"train_throughput": train_throughput, "train_py": train_py, "generate_int4": generate_int4,
+          "vs_deepspeed_llama13b": lambda: vs_deepspeed("vs_deepspeed_llama13b"),
+          "vs_deepspeed_fits": lambda: vs_deepspeed("vs_deepspeed_fits"), "generate_vs_accelerate": generate_vs_accelerate}
 _SECTION = re.compile(r"(<!-- results: (?P<name>\w+) -->\n)(?P<body>.*?)(\n<!-- end results -->)", re.S)
 
 
