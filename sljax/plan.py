@@ -17,7 +17,7 @@ import optax
 from models.presets import build, get_config
 from sljax.machines import GIB, REFERENCE, Budget, Machine, rates_of
 from sljax.memory import tree_bytes
-from sljax.schedule import UPDATES_IN_FLIGHT, Engine, EngineConfig, group_bounds, state_on_device
+from sljax.schedule import Engine, EngineConfig, group_bounds, in_flight_bytes, state_on_device
 from sljax.sizes import model_sizes
 
 # A step is compute-bound "with a margin" when its predicted compute is at least this many times its copies: on the
@@ -271,26 +271,9 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   # each way).
   parked_per_layer = layer * 4 // fsdp if grad_clip_norm > 0 else 0
   parked = live * parked_per_layer
-  widest = max(live, last_layers) * layer * 4  # the largest group's fp32 gradient
-  fixed_device = {
-      # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
-      # per step) and the per-device gradient accumulator.
-      "embeddings+head (params, moments, grads)": int(
-          (sizes.outer_master_bytes + sizes.outer_params * (opt_bytes + 4)) / fsdp
-          + (sizes.outer_master_bytes + sizes.outer_params * 4 if fsdp > 1 else 0)),
-      # The running group's and the next one's (the last group's while the first backward group's arrive).
-      "group weights (2 in flight)": max(2 * weights_per_group,
-                                         last_layers * sizes.layer_weight_bytes + weights_per_group * (groups > 1))
-      + (weights_per_group // fsdp if fsdp > 1 else 0),
-      # In backward one group's gradients accumulate (whole, on every device) while the next group's wait, reduced to
-      # this device's shard, for its deferred update.
-      "group grads (2)": widest + widest // fsdp,
-      # That deferred update holds the group's state and writes the new state while the next group's arrives; the
-      # engine lets UPDATES_IN_FLIGHT host groups' state (with clipping, and their parked gradients) be on the device.
-      "group state in update (3)": max(3 * state_per_group, UPDATES_IN_FLIGHT * (state_per_group + parked)),
-      "activations in flight": 3 * n * act,  # a group's inputs, outputs, gradients
-      "compiled step peak": peak,
-  }
+  # What the step keeps in flight (the schedule's own account of it), then the compiled calls' scratch.
+  fixed_device = dict(in_flight_bytes(sizes, cfg, sub_batch, seq_len, state_per_layer, opt_bytes, fsdp),
+                      **{"compiled step peak": peak})
   free = budget.device_bytes - sum(fixed_device.values())
   if free < 0:
     raise ValueError(f"{sum(fixed_device.values()) / GIB:.1f} GiB of device memory is needed for one group's step "

@@ -101,6 +101,38 @@ def group_bounds(num_layers: int, live_layers: int, tail_layers: int = 0) -> lis
           + ([(head, num_layers)] if tail_layers else []))
 
 
+def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: int, state_per_layer: int,
+                    opt_bytes_per_param: float, fsdp: int = 1) -> dict[str, int]:
+  """What `Engine.step` keeps on each device besides the groups' resident state, parked gradients and stash, by kind:
+  the schedule's own account of its footprint, which the plan (sljax.plan) adds the compiled calls' scratch to.
+  sizes: sljax.sizes.ModelSizes; state_per_layer: one layer's master weights + optimizer state on this device."""
+  bounds = group_bounds(sizes.num_layers, cfg.live_layers, cfg.tail_layers)
+  groups, last_layers, live = len(bounds), bounds[-1][1] - bounds[-1][0], cfg.live_layers
+  weights_per_group = live * sizes.layer_weight_bytes  # gathered whole on every device while the group runs
+  state_per_group = live * state_per_layer
+  parked = live * sizes.layer_params * 4 // fsdp if cfg.grad_clip_norm > 0 else 0
+  widest = max(live, last_layers) * sizes.layer_params * 4  # the largest group's fp32 gradient
+  return {
+      # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
+      # per step) and the per-device gradient accumulator.
+      "embeddings+head (params, moments, grads)": int(
+          (sizes.outer_master_bytes + sizes.outer_params * (opt_bytes_per_param + 4)) / fsdp
+          + (sizes.outer_master_bytes + sizes.outer_params * 4 if fsdp > 1 else 0)),
+      # The running group's and the next one's (the last group's while the first backward group's arrive).
+      "group weights (2 in flight)": max(2 * weights_per_group,
+                                         last_layers * sizes.layer_weight_bytes + weights_per_group * (groups > 1))
+      + (weights_per_group // fsdp if fsdp > 1 else 0),
+      # In backward one group's gradients accumulate (whole, on every device) while the next group's wait, reduced to
+      # this device's shard, for its deferred update.
+      "group grads (2)": widest + widest // fsdp,
+      # That deferred update holds the group's state and writes the new state while the next group's arrives; the
+      # engine lets UPDATES_IN_FLIGHT host groups' state (with clipping, and their parked gradients) be on the device.
+      "group state in update (3)": max(3 * state_per_group, UPDATES_IN_FLIGHT * (state_per_group + parked)),
+      # A group's inputs, outputs and gradients, for every sub-batch.
+      "activations in flight": 3 * cfg.sub_batches * sizes.activation_bytes(sub_batch_rows, seq_len),
+  }
+
+
 def _alive(refs: list) -> list:
   """The arrays behind weak references that are still held and not deleted."""
   return [x for x in (ref() for ref in refs) if x is not None and not x.is_deleted()]
