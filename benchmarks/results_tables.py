@@ -44,6 +44,11 @@ VS_DEEPSPEED = {  # table: (file, run, the sljax row's words)
 }
 GENERATE_VS_ACCELERATE = [("llama70b", "generate_llama70b_hf_accelerate_h200.json"),
                           ("opt-30b", "generate_opt-30b_hf_accelerate_h200.json")]
+SCALING_ROWS = [  # (file, case, row label)
+    ("train_scaling_h200x2.json", "one_gpu", "one GPU (FSDP run)"), ("train_scaling_h200x2.json", "fsdp", "fsdp:2"),
+    ("train_scaling_dp_h200x2.json", "one_gpu", "one GPU (data-parallel run)"),
+    ("train_scaling_dp_h200x2.json", "data_parallel", "data:2"),
+]
 GENERATE_INT4_RUNS = {  # streamed kernels: (file, layout)
     "bf16": ("generate_llama70b_streamed_bf16_h200.json", "46 of 80 layers resident, 16 sub-batches"),
     "int4": ("generate_llama70b_streamed_int4_h200.json", "44 of 80 resident (bf16), 36 streamed int4, 8 sub-batches"),
@@ -131,9 +136,33 @@ def generate_vs_accelerate() -> str:
                 ["---", "---", "---", "---:", "---:", "---:"], rows)
 
 
+def scaling() -> str:
+  rows = []
+  for file, case, label in SCALING_ROWS:
+    r = next(r for r in _load(file)["results"] if r["case"] == case)
+    moved = r["bytes_per_step_per_gpu"]
+    between = f"{moved['between_devices'] / 1e9:.1f} GB" if moved["between_devices"] else "—"
+    rows.append([label, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}", _percent(r["mfu_per_gpu"]),
+                 f"{r['weak_scaling_efficiency']:.2f}",
+                 f"{moved['host_to_device'] / 1e9:.1f} / {moved['device_to_host'] / 1e9:.1f} GB, {between}"])
+  return _table(["mesh", "tokens/s", "per GPU", "MFU per GPU", "weak-scaling efficiency",
+                 "per GPU per step: PCIe in / out, between GPUs"], ["---", "---:", "---:", "---:", "---:", "---"], rows)
+
+
+def checkpoint_scale() -> str:
+  r = _load("checkpoint_scale_h200.json")
+  peak, rss = r["peak_host_extra_gib"], r["rss_gib"]
+  held = rss["after_save"] - rss["before_save"]
+  rows = [["save", f"{r['save_seconds']:.1f}", f"{r['save_gb_per_s']:.2f}",
+           f"{peak['save']:.1f} GiB peak ({held:.1f} GiB of it still held after the save and reused by the next)"],
+          ["restore", f"{r['restore_seconds']:.1f}", f"{r['restore_gb_per_s']:.2f}", f"{peak['restore']:.1f} GiB peak"]]
+  return _table(["", "seconds", "GB/s", "host memory above the level before"], ["---", "---:", "---:", "---:"], rows)
+
+
 TABLES = {"train_throughput": train_throughput, "train_py": train_py, "generate_int4": generate_int4,
           "vs_deepspeed_llama13b": lambda: vs_deepspeed("vs_deepspeed_llama13b"),
-          "vs_deepspeed_fits": lambda: vs_deepspeed("vs_deepspeed_fits"), "generate_vs_accelerate": generate_vs_accelerate}
+          "vs_deepspeed_fits": lambda: vs_deepspeed("vs_deepspeed_fits"), "generate_vs_accelerate": generate_vs_accelerate,
+          "scaling": scaling, "checkpoint_scale": checkpoint_scale}
 _SECTION = re.compile(r"(<!-- results: (?P<name>\w+) -->\n)(?P<body>.*?)(\n<!-- end results -->)", re.S)
 
 
