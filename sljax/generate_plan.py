@@ -10,9 +10,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from models.common import check_model
 from models.config import ModelConfig
 from models.presets import build
-from models.common import check_model
 from sljax.generate import IN_FLIGHT, OffloadConfig, layer_groups
 from sljax.machines import GIB, REFERENCE, Machine, default_budget
 from sljax.memory import tree_bytes
@@ -58,12 +58,17 @@ def _built(model):
   return build(model) if isinstance(model, ModelConfig) else model
 
 
+_KEPT: list = []  # models known by id: kept alive, so that no other model can take their id
+
+
 def _key(model):
   """What the planner's caches know a model by: its type and config, or (a config that is not hashable) itself."""
   try:
     hash((type(model), model.cfg))
     return type(model), model.cfg
   except TypeError:
+    if not any(kept is model for kept in _KEPT):
+      _KEPT.append(model)
     return id(model)
 
 

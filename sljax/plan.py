@@ -55,7 +55,15 @@ class Plan:
   fsdp: int = 1  # devices each group's state is split over
   machine: Machine = REFERENCE  # whose rates the times are predicted at
   layers: int = 0  # the model's
-  groups: int = 0  # layer groups, the tail included
+
+  @property
+  def bounds(self) -> list[tuple[int, int]]:
+    """[start, stop) of each layer group, the tail included."""
+    return group_bounds(self.layers, self.engine.live_layers, self.engine.tail_layers)
+
+  @property
+  def groups(self) -> int:
+    return len(self.bounds)
 
   @property
   def compute_seconds(self) -> float:
@@ -236,7 +244,8 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
 
 def _last_layers(plan: Plan) -> int:
   """Layers in the plan's last group."""
-  return plan.engine.tail_layers or plan.layers - plan.engine.live_layers * (plan.groups - 1)
+  start, stop = plan.bounds[-1]
+  return stop - start
 
 
 def _all_resident(plan: Plan) -> bool:
@@ -334,7 +343,7 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   return Plan(
       engine=dataclasses.replace(cfg, activations_on_host=on_host, device_state_groups=device_groups), fsdp=fsdp,
       sub_batch_size=sub_batch, device_bytes=device_bytes, host_bytes=host_bytes, phases=phases, budget=budget,
-      machine=machine, layers=sizes.num_layers, groups=groups)
+      machine=machine, layers=sizes.num_layers)
 
 
 def plan_batch(model, seq_len: int, budget: Budget, devices: int = 1, max_rows: int = MAX_ROWS, **plan_args
