@@ -7,7 +7,7 @@ One generation (`OffloadedGenerator.generate`), top to bottom:
     embed every sub-batch
     for each group g of `live_layers` layers:
       W_g on the device: resident groups stay there (spread among the others, see layer_groups); the others come
-          from pinned host, prefetched one group ahead
+          from pinned host, prefetched one group ahead; compressed kernels (int8 / int4) are dequantized once here
       for each sub-batch s:  its cache for g, prefetched one sub-batch ahead from pinned host (or kept on the device)
         h[s], cache = group g over sub-batch s          (the cache is donated: updated in place)
         cache -> pinned host
@@ -70,7 +70,7 @@ class OffloadConfig:
   resident_layers: int = 0  # layers whose weights stay on the device (spread among the others, which stream)
   kv_on_host: bool = True  # each sub-batch's KV cache waits in pinned host memory between passes
   # Streamed (and resident) layers' matmul kernels as int8 / int4 codes with a scale per group of `weight_group_size`
-  # rows (sljax.quant), dequantized on the device inside each call; 16: the compute dtype, exact.
+  # rows (sljax.quant), dequantized on the device once per pass for all sub-batches; 16: the compute dtype, exact.
   streamed_bits: int = 16
   resident_bits: int = 16
   weight_group_size: int = 128
@@ -120,7 +120,14 @@ def _layers(model, stacked, h_BxSxD, cache, offset, start_B, max_len: int):
   """A group of layers over one sub-batch through its cache; cache None starts an empty one (the prompt's pass)."""
   if cache is None:
     cache = model.init_cache(jax.tree.leaves(stacked)[0].shape[0], h_BxSxD.shape[0], max_len)
-  return model.layers_cached(dequantize_layers(stacked, model.cfg.dtype), h_BxSxD, cache, offset, start_B)
+  return model.layers_cached(stacked, h_BxSxD, cache, offset, start_B)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _dequantize(stacked, dtype):
+  """A compressed group's kernels in the compute dtype (only the codes cross PCIe), made once per pass and shared by
+  every sub-batch's call: dequantizing inside each call would repeat it per sub-batch."""
+  return dequantize_layers(stacked, dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -337,6 +344,8 @@ class _OffloadedPasses:
     for (g, s), cache in zip(slots, cache_stream):
       if s == 0:
         weights = self.weights["groups"][g] if gen.resident[g] else next(self.weight_stream)
+        if gen._bits(g) < 16:
+          weights = _dequantize(weights, gen.model.cfg.dtype)
       hs[s], cache = _layers(gen.model, weights, hs[s], cache, offset, self.starts[s], self.max_len)
       self.caches[g][s] = gen.stash_cache(cache)
       self._bound(hs[s])

@@ -155,10 +155,11 @@ def footprint(model, offload: OffloadConfig, batch: int, prompt_len: int, max_le
   # the projections, and the group's cache written anew (scan outputs do not alias their inputs).
   scores = rows * cfg.heads * prompt_len * max_len * (4 + 4 + item)
   temporaries = scores + rows * prompt_len * (3 * cfg.ffn + 6 * cfg.hidden) * item + group_cache
-  if min(offload.streamed_bits, offload.resident_bits) < 16:  # a call dequantizes its group's kernels first
-    temporaries += offload.live_layers * layer
   in_flight = IN_FLIGHT + 1
   device = outer + offload.resident_layers * resident_layer + (in_flight * live * streamed_layer if streamed else 0)
+  if min(offload.streamed_bits, offload.resident_bits) < 16:
+    # A compressed group's kernels dequantized for its sub-batches' calls; the next group's is made while they run.
+    device += 2 * offload.live_layers * layer
   device += in_flight * group_cache if offload.kv_on_host else cache
   # Hidden states in and out; one call's scratch, which the next call reuses (the device runs them in order).
   device += 2 * batch * prompt_len * cfg.hidden * item + temporaries
@@ -178,7 +179,7 @@ def pass_cost(model, offload: OffloadConfig, batch: int, seq: int, max_len: int,
   `machine`'s rates."""
   cfg = generation_sizes(model)
   layer, outer, kv_token = _sizes(model)
-  streamed_layer, _ = _stored(model, offload)
+  streamed_layer, resident_layer = _stored(model, offload)
   streamed = cfg.num_layers - offload.resident_layers
   cache = cfg.num_layers * batch * max_len * kv_token
   cache_in = cache if offload.kv_on_host and not prompt else 0  # the prompt's pass starts its caches on the device
@@ -187,9 +188,14 @@ def pass_cost(model, offload: OffloadConfig, batch: int, seq: int, max_len: int,
   flops = batch * seq * cfg.num_layers * (2 * cfg.layer_params + 4 * max_len * cfg.hidden)
   flops += batch * cfg.head_flops_per_token
   calls = len(layer_groups(cfg.num_layers, offload.resident_layers, offload.live_layers)[0])
+  # Device memory traffic: every sub-batch reads every layer's weights and the caches; a compressed layer is first
+  # dequantized once (its codes read, its kernels written).
+  compressed = sum(layers * (stored + layer) for layers, bits, stored in (
+      (streamed, offload.streamed_bits, streamed_layer), (offload.resident_layers, offload.resident_bits, resident_layer))
+      if bits < 16)
   seconds = max(copied_in / machine.copy_bytes_per_s, cache_out / machine.copy_to_host_bytes_per_s,
                 (copied_in + cache_out) / machine.copy_both_bytes_per_s, flops / machine.generation_flops,
-                (offload.sub_batches * cfg.num_layers * layer + outer + cache) / machine.memory_bytes_per_s,
+                (offload.sub_batches * cfg.num_layers * layer + outer + cache + compressed) / machine.memory_bytes_per_s,
                 (calls * offload.sub_batches + 3) * machine.dispatch_seconds)
   return PassCost(copied_in, cache_out, seconds)
 

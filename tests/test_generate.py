@@ -356,10 +356,13 @@ def test_compressed_streamed_weights_cross_fewer_bytes_and_stay_close_to_the_exa
   assert 0 < error < (0.02 if bits == 8 else 0.3) * np.max(np.abs(want))
 
 
-def test_compressed_generation_is_the_exact_generation_of_the_dequantized_weights():
-  """Compression changes the weights and nothing else: a generator keeping int4 / int8 kernels (dequantized on the
-  device) gives bit for bit the logits of the exact generator on the dequantized weights."""
+def test_compressed_generation_is_the_exact_generation_of_the_dequantized_weights(monkeypatch):
+  """Compression changes the weights and nothing else: a generator keeping int4 / int8 kernels (dequantized once per
+  pass for all sub-batches) gives bit for bit the logits of the exact generator on the dequantized weights."""
   model, params, prompts = _setup("opt")
+  calls = []
+  monkeypatch.setattr(gen, "_dequantize", lambda tree, dtype, dequantize=gen._dequantize: calls.append(1) or
+                      dequantize(tree, dtype))
   layout = dict(sub_batches=2, live_layers=1, resident_layers=1, streamed_bits=4, resident_bits=8,
                 weight_group_size=16)
   packed = OffloadedGenerator(model, OffloadConfig(**layout))
@@ -368,6 +371,7 @@ def test_compressed_generation_is_the_exact_generation_of_the_dequantized_weight
   exact = OffloadedGenerator(model, OffloadConfig(**dict(layout, streamed_bits=16, resident_bits=16)))
   plain = exact.load({"outer": params["outer"], "layers": jax.tree.map(lambda *xs: np.concatenate(xs), *dequantized)})
   np.testing.assert_array_equal(packed.prompt_logits(weights, prompts), exact.prompt_logits(plain, prompts))
+  assert len(calls) == len(packed.groups)  # once per group for the pass, not once per sub-batch
 
 
 def test_compressed_init_equals_compressed_load_of_model_init():
