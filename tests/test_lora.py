@@ -1,0 +1,190 @@
+"""LoRA: an engine step of the adapters equals a plain full-batch jax.grad + optax step of them; the base never
+changes; adapters start as the identity and merge into the kernels."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from models.presets import build, get_config
+from sljax.lora import (LoraConfig, LoraEngine, LoraEngineConfig, LoraModel, join_adapters, lora_flops_per_token,
+                        merge, plan_lora, split_adapters)
+from sljax.machines import GIB, Budget
+from sljax.memory import HOST
+from tests.test_engine import make_batch, rel_error
+
+SHAPES = {  # few shapes, so examples reuse compiled calls; values, placement, rank scale and optimizer vary freely
+    "llama": dict(family="llama", num_heads=4, num_kv_heads=2, hidden_size=32, intermediate_size=40, num_layers=4),
+    "opt": dict(family="opt", num_heads=2, hidden_size=16, intermediate_size=24, num_layers=3),
+}
+TARGETS = {"llama": ("q_proj", "v_proj", "down_proj"), "opt": ()}  # some projections; every one
+
+
+@functools.cache
+def _model(family: str, rank: int, dtype: str = "float32") -> LoraModel:
+  base = build(get_config("llama-tiny", dict(SHAPES[family], dtype=dtype, remat=False)))
+  return LoraModel(base, LoraConfig(rank=rank, alpha=2.0 * rank, targets=TARGETS[family]))
+
+
+def _optimizer(name: str, clip: float):
+  tx = optax.sgd(1.0) if name == "sgd" else optax.adamw(1e-2, weight_decay=0.1)
+  return optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
+
+
+def _random_adapters(model, base_layers, seed):
+  """Adapters with both factors random (a fresh lora_b is zero, which would leave lora_a's gradient zero)."""
+  adapters = model.init_adapters(jax.random.key(seed), base_layers)
+  keys = iter(jax.random.split(jax.random.key(seed + 1), len(jax.tree.leaves(adapters))))
+  return jax.tree.map(lambda x: 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), adapters)
+
+
+def _reference(model, optimizer, base, adapters, batches):
+  """Plain training of the adapters: jax.grad of the whole model's loss, then optax, on the full batch."""
+  loss_fn = jax.jit(jax.value_and_grad(
+      lambda adapters, batch: model.loss({"outer": base["outer"], "layers": join_adapters(base["layers"], adapters)},
+                                         batch)))
+  opt_state, losses = optimizer.init(adapters), []
+  for batch in batches:
+    loss, grads = loss_fn(adapters, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, adapters)
+    adapters = optax.apply_updates(adapters, updates)
+    losses.append(float(loss))
+  return losses, adapters
+
+
+@st.composite
+def cases(draw):
+  family = draw(st.sampled_from(sorted(SHAPES)))
+  layers = SHAPES[family]["num_layers"]
+  cfg = LoraEngineConfig(sub_batches=draw(st.sampled_from([1, 2, 4])), live_layers=draw(st.integers(1, 2)),
+                         resident_layers=draw(st.integers(0, layers)), activations_on_host=draw(st.booleans()))
+  return family, cfg, draw(st.sampled_from(["sgd", "adamw"])), draw(st.sampled_from([0.0, 0.05])), draw(
+      st.integers(0, 2**16))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_engine_lora_steps_equal_plain_lora_steps_and_leave_the_base_alone(case):
+  family, cfg, optimizer_name, clip, seed = case
+  model = _model(family, rank=4)
+  optimizer = _optimizer(optimizer_name, clip)
+  rng = np.random.default_rng(seed)
+  base_model_params = model.base.init(jax.random.key(seed))
+  engine = LoraEngine(model, optimizer, cfg)
+  engine.load_base(base_model_params)
+  base = engine.base_params()
+  adapters = _random_adapters(model, base["layers"], seed)
+  batches = [make_batch(rng, 8, 8) for _ in range(2)]
+  want_losses, want_adapters = _reference(model, optimizer, base, adapters, batches)
+
+  state, got_losses = engine.from_adapters(adapters), []
+  for batch in batches:
+    state, loss = engine.step(state, batch)
+    got_losses.append(float(loss))
+  np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+  assert rel_error(engine.adapters(state), want_adapters) <= 1e-5
+  if optimizer_name == "sgd" and not clip:  # the update is exactly -gradient
+    got = jax.tree.map(np.subtract, adapters, engine.adapters(state))
+    want = jax.tree.map(np.subtract, adapters, want_adapters)
+    assert rel_error(got, want) <= 1e-5
+  assert int(state["step"]) == 2
+  jax.tree.map(np.testing.assert_array_equal, engine.base_params(), base)  # bit for bit
+  for g, group in enumerate(engine.base["groups"]):
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(group)}
+    assert kinds == ({"device"} if engine.resident[g] else {HOST})
+
+
+def test_base_has_no_master_copy_and_runs_in_the_compute_dtype():
+  """bf16 compute: the base's kernels are held in bf16 (what the layers run in), vectors as stored; the adapters
+  are fp32; nothing else is kept."""
+  model = _model("llama", rank=2, dtype="bfloat16")
+  engine = LoraEngine(model, optax.adamw(1e-3), LoraEngineConfig(resident_layers=2))
+  engine.init_base(jax.random.key(0))
+  kernels = {x.dtype for path, x in jax.tree_util.tree_flatten_with_path(engine.base["groups"])[0]
+             if "kernel" in jax.tree_util.keystr(path)}
+  assert kernels == {jnp.dtype("bfloat16")}
+  state = engine.init(jax.random.key(1))
+  assert {x.dtype for x in jax.tree.leaves(state["adapters"])} == {jnp.dtype("float32")}
+  assert set(state) == {"step", "adapters", "opt"}
+  state, loss = engine.step(state, make_batch(np.random.default_rng(0), 4, 8))
+  assert np.isfinite(float(loss))
+
+
+def test_fresh_adapters_leave_the_model_exactly_the_base():
+  model = _model("opt", rank=3)
+  params = model.base.init(jax.random.key(0))
+  adapters = model.init_adapters(jax.random.key(1), params["layers"])
+  h = jax.random.normal(jax.random.key(2), (2, 5, SHAPES["opt"]["hidden_size"]))
+  np.testing.assert_array_equal(model.layers(join_adapters(params["layers"], adapters), h),
+                                model.base.layers(params["layers"], h))
+
+
+def test_merged_adapters_are_the_same_model():
+  model = _model("llama", rank=4)
+  params = model.base.init(jax.random.key(0))
+  layers = join_adapters(params["layers"], _random_adapters(model, params["layers"], 3))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 7)), jnp.int32)
+  with_adapters = model.base.logits(params["outer"], model.layers(layers, model.embed(params["outer"], tokens)))
+  merged = merge(model.lora, layers)
+  assert split_adapters(merged)[1] == {}
+  np.testing.assert_allclose(model.base.forward({"outer": params["outer"], "layers": merged}, tokens),
+                             with_adapters, rtol=2e-5, atol=2e-5)
+
+
+def test_targets_name_the_adapted_projections():
+  model = _model("llama", rank=2)
+  adapters = model.init_adapters(jax.random.key(0), model.base.init(jax.random.key(1))["layers"])
+  assert sorted(adapters) == sorted(TARGETS["llama"])
+  with pytest.raises(ValueError, match="no Dense module of the layers is named"):
+    LoraModel(model.base, LoraConfig(targets=("query",))).init_adapters(
+        jax.random.key(0), model.base.init(jax.random.key(1))["layers"])
+
+
+@pytest.mark.parametrize("field, value", [("rank", 0), ("alpha", float("nan")), ("alpha", -1.0)])
+def test_bad_lora_config_is_refused(field, value):
+  with pytest.raises(ValueError, match=field):
+    LoraConfig(**{field: value})
+
+
+def test_a_non_finite_step_changes_nothing():
+  model = _model("opt", rank=2)
+  engine = LoraEngine(model, optax.adamw(1e-2), LoraEngineConfig(sub_batches=2))
+  engine.load_base(model.base.init(jax.random.key(0)))
+  state = engine.init(jax.random.key(1))
+  before = engine.adapters(state)
+  batch = make_batch(np.random.default_rng(0), 4, 8)
+  batch["weights"][0, 0] = np.inf
+  state, loss = engine.step(state, batch)
+  assert np.isnan(float(loss)) and int(state["step"]) == 0
+  jax.tree.map(np.testing.assert_array_equal, engine.adapters(state), before)
+
+
+def test_plan_streams_what_the_device_cannot_hold_and_its_engine_runs():
+  model = _model("llama", rank=2)
+  roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4)
+  assert roomy.engine.resident_layers == 4 and not roomy.engine.activations_on_host
+  layer = roomy.device_bytes["resident base layers"] // 4
+  tight = plan_lora(model, 8, Budget(device_bytes=sum(roomy.device_bytes.values()) - layer, host_bytes=GIB), batch=4)
+  assert 0 < tight.engine.resident_layers < 4
+  assert tight.host_bytes["streamed base layers"] == (4 - tight.engine.resident_layers) * layer
+  assert "LoRA plan" in tight.describe()
+  engine = LoraEngine(model, optax.adamw(1e-3), tight.engine)
+  engine.init_base(jax.random.key(0))
+  _, loss = engine.step(engine.init(jax.random.key(1)), make_batch(np.random.default_rng(0), 4, 8))
+  assert np.isfinite(float(loss))
+  with pytest.raises(ValueError, match="does not fit"):
+    plan_lora(model, 8, Budget(device_bytes=1024, host_bytes=1024), batch=4)
+
+
+def test_flops_count_the_base_three_times_and_the_recompute_only_where_it_runs():
+  model = _model("llama", rank=2)
+  no_recompute = lora_flops_per_token(model, 8, recomputed_layers=0)
+  all_recomputed = lora_flops_per_token(model, 8, recomputed_layers=4)
+  kernels = 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 40
+  adapters = 2 * (32 + 32) + 2 * (32 + 16) + 2 * (40 + 32)  # q: 32 -> 32, v: 32 -> 16, down: 40 -> 32
+  assert all_recomputed - no_recompute == 4 * (2 * kernels + 2 * adapters + 2 * 8 * 32)
