@@ -183,6 +183,13 @@ def test_hf_accelerate_baseline_smoke(tmp_path):
   assert result["result"]["generation_tokens_per_s"] > 0
 
 
+def test_lora_benchmark_smoke_streams_part_of_the_base_and_resumes_exactly(tmp_path):
+  (result,) = smoke("lora_throughput", tmp_path, f"--workdir={tmp_path / 'checkpoint'}")["results"]
+  assert 0 < result["plan"]["resident_layers"] < 4
+  assert result["pcie_bytes_per_step"]["host_to_device"] > result["plan_host_bytes"]["streamed base layers"]
+  assert result["checkpoint"]["equal"] and result["tokens_per_s"] > 0
+
+
 def test_the_readmes_result_tables_are_the_result_files_own():
   """Every marked table in the README is what benchmarks.results_tables makes from benchmarks/results/ now."""
   with open(os.path.join(REPO, "README.md")) as f:
