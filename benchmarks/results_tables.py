@@ -15,6 +15,8 @@ import statistics
 from absl import app, flags
 
 from benchmarks.common import REPO
+from models.presets import build, get_config
+from sljax.lora import LoraConfig, LoraModel, lora_flops_per_token
 
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 README = os.path.join(REPO, "README.md")
@@ -161,7 +163,47 @@ def checkpoint_scale() -> str:
   return _table(["", "seconds", "GB/s", "host memory above the level before"], ["---", "---:", "---:", "---:"], rows)
 
 
-TABLES = {"train_throughput": train_throughput, "train_py": train_py, "generate_int4": generate_int4,
+def generate_vs_peers() -> str:
+  models, rows = _load("generate_vs_peers_h200.json")["models"], []
+  names = {"sljax": "sljax", "flexgen": "FlexGen", "zero_inference": "ZeRO-Inference"}
+  for model, entry in models.items():
+    for system, figures in entry["systems"].items():
+      if "not_run" in figures:
+        continue
+      for kind in ("exact", "compressed"):
+        best = figures[f"best_{kind}"]
+        if best is None:
+          reasons = {s["status"].split(":")[0] for s in figures["settings"][kind]}
+          rows.append([model, names[system], kind, ", ".join(sorted(reasons)) or "not run", "—", "—", "—"])
+          continue
+        rows.append([model, names[system], kind, best["setting"], f"{best['prefill_tokens_per_s']:,.0f}",
+                     f"{best['decode_tokens_per_s']:,.1f}", f"{best['generated_tokens_per_s']:,.1f}"])
+  return _table(["model", "system", "weights", "best setting run", "prefill tok/s", "decode tok/s", "generated tok/s"],
+                ["---", "---", "---", "---", "---:", "---:", "---:"], rows)
+
+
+def lora() -> str:
+  """The LoRA runs. Peaks are the process's: a second model in the same run shows the first's when it was higher."""
+  data, rows = _load("lora_llama70b_h200.json"), []
+  for i, r in enumerate(data["results"]):
+    plan, moved = r["plan"], r["pcie_bytes_per_step"]
+    model = LoraModel(build(get_config(r["model"])), LoraConfig(rank=r["lora_rank"]))
+    layers = model.cfg.num_layers
+    placed = (f"all {layers} layers resident" if plan["resident_layers"] == layers else
+              f"{plan['resident_layers']} of {layers} layers resident, {layers - plan['resident_layers']} streamed")
+    no_recompute = r["mfu"] * lora_flops_per_token(model, r["seq_len"], 0) / r["flops_per_token"]
+    peaks = (f"{r['peak_device_bytes'] / 2**30:.1f} / {r['peak_host_rss_bytes'] / 2**30:.1f}" if i == 0 else
+             "(same process)")
+    rows.append([r["model"], f"{r['batch']} x {r['seq_len']}", placed, f"{r['tokens_per_s']:,.0f}", _percent(r["mfu"]),
+                 _percent(no_recompute), f"{r['step_seconds']:.2f}",
+                 f"{(moved['host_to_device'] + moved['device_to_host']) / 1e9:.1f}", peaks,
+                 "equal" if r["checkpoint"]["equal"] else "DIFFERENT"])
+  return _table(["model", "batch", "base", "tokens/s", "MFU", "MFU, recompute not counted", "step (s)",
+                 "PCIe GB/step", "peak device / host RSS GiB", "step after save vs after restore"],
+                ["---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"], rows)
+
+
+TABLES = {"train_throughput": train_throughput, "generate_vs_peers": generate_vs_peers, "lora": lora, "train_py": train_py, "generate_int4": generate_int4,
           "vs_deepspeed_llama13b": lambda: vs_deepspeed("vs_deepspeed_llama13b"),
           "vs_deepspeed_fits": lambda: vs_deepspeed("vs_deepspeed_fits"), "generate_vs_accelerate": generate_vs_accelerate,
           "scaling": scaling, "checkpoint_scale": checkpoint_scale}

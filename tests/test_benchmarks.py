@@ -190,6 +190,14 @@ def test_lora_benchmark_smoke_streams_part_of_the_base_and_resumes_exactly(tmp_p
   assert result["checkpoint"]["equal"] and result["tokens_per_s"] > 0
 
 
+def test_the_peer_comparison_is_the_run_files_own():
+  """benchmarks/results/generate_vs_peers_h200.json is what benchmarks.generate_vs_peers makes of the run files now."""
+  from benchmarks import generate_vs_peers
+  with open(os.path.join(REPO, "benchmarks", "results", "generate_vs_peers_h200.json")) as f:
+    committed = json.load(f)["models"]
+  assert committed == json.loads(json.dumps(generate_vs_peers.comparison()))
+
+
 def test_the_readmes_result_tables_are_the_result_files_own():
   """Every marked table in the README is what benchmarks.results_tables makes from benchmarks/results/ now."""
   with open(os.path.join(REPO, "README.md")) as f:
