@@ -207,7 +207,9 @@ TABLES = {"train_throughput": train_throughput, "generate_vs_peers": generate_vs
           "vs_deepspeed_llama13b": lambda: vs_deepspeed("vs_deepspeed_llama13b"),
           "vs_deepspeed_fits": lambda: vs_deepspeed("vs_deepspeed_fits"), "generate_vs_accelerate": generate_vs_accelerate,
           "scaling": scaling, "checkpoint_scale": checkpoint_scale}
-_SECTION = re.compile(r"(<!-- results: (?P<name>\w+) -->\n)(?P<body>.*?)(\n<!-- end results -->)", re.S)
+# A section's body never spans another section's start: an empty body ends at its own end marker.
+_SECTION = re.compile(r"(<!-- results: (?P<name>\w+) -->\n)(?P<body>(?:(?!<!-- results:).)*?)(\n?<!-- end results -->)",
+                      re.S)
 
 
 def readme_tables(text: str) -> dict[str, str]:
@@ -217,7 +219,7 @@ def readme_tables(text: str) -> dict[str, str]:
 
 def with_tables(text: str) -> str:
   """The README text with every marked section's table made anew from the files."""
-  return _SECTION.sub(lambda match: match[1] + TABLES[match["name"]]() + match[4], text)
+  return _SECTION.sub(lambda match: match[1] + TABLES[match["name"]]() + "\n<!-- end results -->", text)
 
 
 def main(argv):
