@@ -83,6 +83,8 @@ def run(name: str, budget: Budget, overrides: dict) -> dict:
       "model": name, "lora_rank": FLAGS.lora_rank, "seq_len": seq, "batch": plan.batch,
       "plan": dataclasses.asdict(plan.engine), "plan_device_bytes": plan.device_bytes,
       "plan_host_bytes": plan.host_bytes, "plan_compute_bound": plan.compute_bound,
+      "plan_seconds": {"forward": plan.forward_seconds, "forward_copies": plan.forward_copy_seconds,
+                       "backward": plan.backward_seconds, "backward_copies": plan.backward_copy_seconds},
       "step_seconds": step_s, "step_times": times, "tokens_per_s": tokens_per_s,
       "flops_per_token": flops, "mfu": tokens_per_s * flops / peak,
       "pcie_bytes_per_step": moved, "pcie_seconds_per_step_at_53_54_gb_s": copy_s,
