@@ -26,6 +26,7 @@ from absl import app, flags
 from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 
+from benchmarks.baselines.hf_generate import timed_generate
 from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, write_results
 from models.hf import config_to_hf
 from models.presets import get_config
@@ -44,19 +45,6 @@ flags.DEFINE_string("attn_implementation", "sdpa", "transformers attention imple
 define_flags("Tiny shapes on CPU, half the layers offloaded to disk (the GPU's CPU offload path needs a GPU): "
              "checks the script's code path.")
 FLAGS = flags.FLAGS
-
-
-
-class StepTimer(transformers.LogitsProcessor):
-  """Called once per generated token, after the forward pass that produced its logits: records when."""
-
-  def __init__(self, synchronize):
-    self.synchronize, self.times = synchronize, []
-
-  def __call__(self, input_ids, scores):
-    self.synchronize()
-    self.times.append(time.perf_counter())
-    return scores
 
 
 def activation_bytes(cfg, batch: int, prompt_len: int) -> int:
@@ -95,25 +83,7 @@ def build_model(cfg, gpu_bytes: int, cpu_bytes: int, offload_dir: str):
 
 
 def generate(model, device, cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
-  synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-  input_ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
-  input_ids = input_ids.to(device)
-  timer = StepTimer(synchronize)
-  synchronize()
-  start = time.perf_counter()
-  with torch.inference_mode():
-    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-                         logits_processor=transformers.LogitsProcessorList([timer]))
-  synchronize()
-  end = time.perf_counter()
-  prefill, decode = timer.times[0] - start, timer.times[-1] - timer.times[0]
-  return {
-      "batch": batch, "generated_shape": list(out.shape), "prefill_seconds": prefill, "decode_seconds": decode,
-      "total_seconds": end - start, "prefill_tokens_per_s": batch * prompt_len / prefill,
-      "decode_tokens_per_s": batch * (new_tokens - 1) / decode if new_tokens > 1 else None,
-      "generation_tokens_per_s": batch * new_tokens / (end - start),
-      "first_tokens": out[:2, prompt_len:].tolist()}
+  return timed_generate(model, device, cfg.vocab_size, batch, prompt_len, new_tokens)
 
 
 def main(argv):

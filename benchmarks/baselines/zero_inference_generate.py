@@ -285,42 +285,11 @@ class Report:
     write_results(self.path, self.data)
 
 
-class StepTimer:
-  """A logits processor: called once per generated token, after the forward pass that produced its logits; records
-  when (benchmarks.baselines.hf_accelerate_generate's timing)."""
-
-  def __init__(self, synchronize):
-    self.synchronize, self.times = synchronize, []
-
-  def __call__(self, input_ids, scores):
-    self.synchronize()
-    self.times.append(time.perf_counter())
-    return scores
-
-
 def generate(model, device: str, vocab: int, batch: int, prompt_len: int, new_tokens: int, kv_offload: bool) -> dict:
   """One timed greedy generation of exactly `new_tokens` per row, reported with hf_accelerate_generate's keys."""
-  import torch
-  import transformers
-  synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-  input_ids = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
-  timer = StepTimer(synchronize)
+  from benchmarks.baselines.hf_generate import timed_generate
   cache = {"cache_implementation": "offloaded"} if kv_offload else {}
-  synchronize()
-  start = time.perf_counter()
-  with torch.no_grad():  # as ZeRO-Inference generates: ZeRO-3 swaps parameter data in place
-    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-                         logits_processor=transformers.LogitsProcessorList([timer]), **cache)
-  synchronize()
-  end = time.perf_counter()
-  prefill, decode = timer.times[0] - start, timer.times[-1] - timer.times[0]
-  return {
-      "batch": batch, "generated_shape": list(out.shape), "prefill_seconds": prefill, "decode_seconds": decode,
-      "total_seconds": end - start, "prefill_tokens_per_s": batch * prompt_len / prefill,
-      "decode_tokens_per_s": batch * (new_tokens - 1) / decode if new_tokens > 1 else None,
-      "generation_tokens_per_s": batch * new_tokens / (end - start),
-      "first_tokens": out[:2, prompt_len:].tolist()}
+  return timed_generate(model, device, vocab, batch, prompt_len, new_tokens, no_grad=True, **cache)
 
 
 def host_pinned_stats(torch) -> dict:
