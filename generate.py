@@ -2,6 +2,8 @@
 
   python generate.py --model llama-tiny --random_weights --prompt_file prompts.txt --max_new_tokens 32
   python generate.py --checkpoint runs/llama-tiny --prompt_file prompts.txt --temperature 0.8 --top_p 0.95
+  python generate.py --lora_checkpoint runs/llama7b-lora --tokenizer Llama-2-7b-hf/tokenizer.json \\
+      --prompt_file prompts.txt
   python generate.py --hf_dir Llama-2-70b-hf --tokenizer Llama-2-70b-hf/tokenizer.json --set dtype=bfloat16 \\
       --prompt_file prompts.txt --batch 64 --stop_token 2
   python generate.py --model llama70b --set dtype=bfloat16 --prompt_len 512 --max_new_tokens 32 --plan

@@ -2,10 +2,11 @@
 
   python train.py --model llama-tiny --set num_layers=8 --steps 1000 --batch_size 16
   python train.py --model opt-125m --data c4/en --tokenizer tokenizer.json --seq_len 1024 --workdir runs/opt
+  python train.py --hf_dir Llama-2-7b-hf --lora_rank 16 --lora_targets q_proj,v_proj --workdir runs/llama7b-lora
 
 Every flag is a field of a config dataclass (sljax.launch's LaunchConfig and ClusterConfig, DataConfig, OptimConfig,
-RunConfig), its default the field's or the preset's training recipe's (sljax.optim.RECIPES); sljax.launch makes
-every decision. A run resumes from the newest checkpoint in --workdir.
+RunConfig, sljax.lora.LoraConfig), its default the field's or the preset's training recipe's (sljax.optim.RECIPES);
+sljax.launch makes every decision. A run resumes from the newest checkpoint in --workdir.
 """
 
 import dataclasses
@@ -19,6 +20,7 @@ from sljax import launch
 from sljax.checkpoint import CheckpointCorruptError, CheckpointMismatchError, CheckpointWriteError, DiskSpaceError
 from sljax.data import DataConfig
 from sljax.flags import define
+from sljax.lora import FINE_TUNING_LEARNING_RATE, LoraConfig
 from sljax.machines import default_host_budget_help
 from sljax.optim import OptimConfig
 from sljax.trainer import Diverged, RunConfig
@@ -35,11 +37,21 @@ DATA = define(DataConfig, rename={"name": "data"}, unset={
 # A flag given replaces its field of the recipe's OptimConfig (a --hf_dir model takes its family's nearest preset's).
 OPTIM = define(OptimConfig, unset={
     **{field.name: RECIPE for field in dataclasses.fields(OptimConfig)},
+    "learning_rate": f"{RECIPE}; with --lora_rank {FINE_TUNING_LEARNING_RATE:g}, LoRA's usual rate (the recipes train "
+                     f"every weight from scratch)",
     "warmup_steps": f"{RECIPE}, at most half of --steps unless --decay_steps is set",
     # Not OptimConfig's default (0: none): a library user of OptimConfig has no run length to decay over.
     "decay_steps": "--steps",
     "moments_dtype": f"{RECIPE}, float32; on the offload engine bfloat16 where float32 does not fit, with a notice"})
 RUN = define(RunConfig)
+# Without --lora_rank every weight trains, and the other LoRA flags have nothing to shape (they are refused).
+LORA = define(LoraConfig, rename={"rank": "lora_rank", "alpha": "lora_alpha", "targets": "lora_targets"}, unset={
+    "rank": "none, every weight trains", "alpha": f"{LoraConfig.alpha:g}", "targets": "every projection"}, help={
+    "rank": "Fine-tune LoRA adapters of this rank on the frozen weights of --hf_dir (without it a random base, for "
+            "benchmarks only); checkpoints hold the adapters and point to the base.",
+    "alpha": "LoRA: the adapter term is scaled by lora_alpha / lora_rank.",
+    "targets": "LoRA: the projections of each layer that get adapters, by module name (q_proj, v_proj, ...; a comma "
+               "list, or the flag repeated)."})
 REPO = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -51,9 +63,21 @@ class _OwnInfoOnly(std_logging.Filter):
     return record.levelno >= std_logging.WARNING or own
 
 
+def lora_config() -> LoraConfig | None:
+  """--lora_rank and its companions as a LoraConfig; None without --lora_rank. ValueError on a bad value."""
+  fields = {name: value for name, value in LORA.given().items() if value != ()}  # --lora_targets not given: ()
+  if "rank" not in fields:
+    if fields:
+      raise ValueError(f"{' and '.join('--' + LORA.names[name] for name in fields)} shape LoRA adapters: add "
+                       f"--lora_rank")
+    return None
+  targets = tuple(name.strip() for names in fields.get("targets", ()) for name in names.split(",") if name.strip())
+  return LoraConfig(**{**fields, "targets": targets})
+
+
 def request() -> launch.Request:
   """The parsed flags as a request; ValueError on a bad value."""
-  return launch.Request(LAUNCH.build(), RUN.build(), data=DATA.given(), optim=OPTIM.given())
+  return launch.Request(LAUNCH.build(), RUN.build(), data=DATA.given(), optim=OPTIM.given(), lora=lora_config())
 
 
 def configs_from_flags() -> launch.Configs:

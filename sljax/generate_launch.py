@@ -1,6 +1,7 @@
-"""From a generation request to its records: the model and its weights (Hugging Face files, an sljax checkpoint or a
-random init), the prompts through the tokenizer, the plan, and the batches through OffloadedGenerator. generate.py is
-these functions behind flags. Imports nothing from training but the checkpoint reader.
+"""From a generation request to its records: the model and its weights (Hugging Face files, an sljax checkpoint, a
+LoRA run's adapters merged into their base, or a random init), the prompts through the tokenizer, the plan, and the
+batches through OffloadedGenerator. generate.py is these functions behind flags. Imports nothing from training but
+the checkpoint readers (sljax.checkpoint's, sljax.lora's).
 
   job = generate_launch.prepare(GenerateConfig(random_weights=True, prompt_file="prompts.txt"), SamplingConfig())
   for record in generate_launch.generate(job):
@@ -23,6 +24,7 @@ from sljax.checkpoint import newest_checkpoint, restore_params
 from sljax.data import load_tokenizer
 from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig
 from sljax.generate_plan import memory_budgets, plan
+from sljax.lora import MergedWeights, base_weights, open_checkpoint, read_adapters
 from sljax.machines import GIB
 
 DEFAULT_MODEL = "llama-tiny"  # train.py's too: a checkpoint of `python train.py` needs no --model
@@ -36,6 +38,9 @@ class GenerateConfig:
   overrides: tuple[str, ...] = ()  # model config override field=value, repeatable (e.g. --set dtype=bfloat16)
   hf_dir: str | None = None  # Hugging Face LLaMA/OPT directory (config.json + *.safetensors)
   checkpoint: str | None = None  # an sljax training run: its workdir or checkpoints/ (the newest step is read)
+  # a train.py --lora_rank run (its workdir or checkpoints/): the newest adapters, merged into the base its checkpoint
+  # names (--hf_dir: that base, read from there) one layer group at a time as the weights are read
+  lora_checkpoint: str | None = None
   random_weights: bool = False  # random weights of --model (for benchmarks), made one group at a time
   prompt_file: str | None = None  # text file, one prompt per line
   tokenizer: str | None = None  # a sentencepiece .model or tokenizer.json (default: bytes)
@@ -70,14 +75,20 @@ class Generation(NamedTuple):
 
 
 def model_config(request: GenerateConfig) -> ModelConfig:
-  """From --hf_dir's config.json, the checkpoint's metadata, or --model; --set overrides any of them."""
-  sources = [name for name in ("hf_dir", "checkpoint", "random_weights") if getattr(request, name)]
+  """From --hf_dir's config.json, the checkpoint's metadata (--checkpoint's or --lora_checkpoint's), or --model;
+  --set overrides any of them."""
+  sources = [name for name in ("hf_dir", "checkpoint", "random_weights", "lora_checkpoint") if getattr(request, name)]
+  if request.lora_checkpoint and request.hf_dir:
+    sources.remove("hf_dir")  # where the adapters' base is
   if len(sources) > 1:
     raise ValueError(f"give one weight source, not {' and '.join('--' + s for s in sources)}")
-  for source, names in (("hf_dir", "whose config.json names the model"), ("checkpoint", "whose metadata names it")):
+  for source, names in (("hf_dir", "whose config.json names the model"), ("checkpoint", "whose metadata names it"),
+                        ("lora_checkpoint", "whose metadata names it")):
     if getattr(request, source) and request.model is not None:
       raise ValueError(f"give --model or --{source} ({names}), not both")
   overrides = parse_overrides(request.overrides)
+  if request.lora_checkpoint:
+    return ModelConfig(**{**open_checkpoint(request.lora_checkpoint).meta["model_config"], **overrides})
   if request.hf_dir:
     return HFWeights(request.hf_dir, **overrides).cfg  # reads config.json and the files' headers, no tensor
   if request.checkpoint:
@@ -139,9 +150,15 @@ def make_plan(request: GenerateConfig, cfg: ModelConfig, prompt_len: int, new_to
 
 def open_weights(request: GenerateConfig, cfg: ModelConfig):
   """What OffloadedGenerator.load reads (None for --random_weights), checked before anything is allocated: the
-  Hugging Face files' headers, or the checkpoint's params, read into host memory."""
+  Hugging Face files' headers, the checkpoint's params read into host memory, or a LoRA run's adapters (read into
+  host memory) and the headers of their base."""
   if request.random_weights:
     return None
+  if request.lora_checkpoint:
+    checkpoint = open_checkpoint(request.lora_checkpoint)
+    # Merged in the run's param dtype (the group being read is all that is ever in host RAM), then cast by the load.
+    base = base_weights(checkpoint, cfg, request.hf_dir)
+    return MergedWeights(base, checkpoint.lora, read_adapters(checkpoint))
   if request.hf_dir:
     # Read in the compute dtype, one layer group at a time straight to its home (device or pinned host): a bf16
     # 70B model is 138 GB, more than the host RAM of many GPU machines.
@@ -169,12 +186,12 @@ def prepare(request: GenerateConfig, sampling: SamplingConfig) -> Generation:
   prompt_len = request.prompt_len or longest
   chosen = make_plan(request, cfg, prompt_len, sampling.max_new_tokens, len(prompts))
   if request.plan:
-    name = request.hf_dir or request.checkpoint or request.model or DEFAULT_MODEL
+    name = request.lora_checkpoint or request.hf_dir or request.checkpoint or request.model or DEFAULT_MODEL
     print(f"plan for {name} on {jax.devices()[0].device_kind}:\n"
           f"{chosen.describe(cfg)}")
     return Generation(request, cfg, sampling, texts, prompts, prompt_len, decode, chosen, None)
-  if not (request.hf_dir or request.checkpoint or request.random_weights):
-    raise ValueError("give the weights: --hf_dir, --checkpoint or --random_weights")
+  if not (request.hf_dir or request.checkpoint or request.random_weights or request.lora_checkpoint):
+    raise ValueError("give the weights: --hf_dir, --checkpoint, --lora_checkpoint or --random_weights")
   return Generation(request, cfg, sampling, texts, prompts, prompt_len, decode, chosen, open_weights(request, cfg))
 
 

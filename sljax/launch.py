@@ -6,6 +6,8 @@ sljax.generate_launch).
   request = launch.Request(launch.LaunchConfig(model="llama13b"), RunConfig(steps=40), optim={"grad_clip_norm": 0})
   launch.start(request.launch)  # before anything touches a device
   history = launch.train(launch.prepare(request))
+  # LoRA: adapters of rank 16 on a frozen base (the Hugging Face weights of --hf_dir), through sljax.lora's engine
+  request = launch.Request(launch.LaunchConfig(hf_dir="Llama-2-7b-hf"), RunConfig(steps=1000), lora=LoraConfig())
 
 Messages call the fields of LaunchConfig and of the configs by their train.py flags (--engine, --sub_batches): the
 flags are those fields.
@@ -28,11 +30,14 @@ from models.config import ModelConfig
 from models.hf import HFWeights
 from models.presets import build, get_config, parse_overrides
 from sljax import metrics, schedule, trainer
+from sljax.checkpoint import newest_checkpoint
 from sljax.data import DataConfig, Source, make_source
-from sljax.machines import (GIB, MACHINES, PINNED_POOL_ENV, Budget, available_ram_bytes, cap_pinned_pools,
+from sljax.lora import (FINE_TUNING_LEARNING_RATE, LoraConfig, LoraEngine, LoraEngineConfig, LoraModel,
+                        describe_base, lora_flops_per_token, plan_lora, random_base_key, run_meta, split_adapters)
+from sljax.machines import (GIB, MACHINES, PINNED_POOL_ENV, Budget, Machine, available_ram_bytes, cap_pinned_pools,
                             default_budget, reserve_gpu_memory, target_budget)
 from sljax.memory import Placement
-from sljax.mesh import PER_DEVICE, check_batch, initialize_distributed, make_mesh
+from sljax.mesh import PER_DEVICE, check_batch, initialize_distributed, make_mesh, parse_mesh
 from sljax.optim import RECIPES, OptimConfig, learning_rate_schedule, make_optimizer, recipe_for
 from sljax.plan import make_plan, optimizer_bytes_per_param, plan_batch
 from sljax.schedule import EngineConfig
@@ -117,6 +122,9 @@ class Request:
   run: RunConfig = RunConfig()
   data: Mapping[str, typing.Any] = dataclasses.field(default_factory=dict)
   optim: Mapping[str, typing.Any] = dataclasses.field(default_factory=dict)
+  # fine-tune these LoRA adapters on the frozen weights (--hf_dir's, else a random base) instead of every weight; the
+  # learning rate, unless `optim` sets it, is then sljax.lora.FINE_TUNING_LEARNING_RATE
+  lora: LoraConfig | None = None
 
 
 class Configs(NamedTuple):
@@ -124,7 +132,7 @@ class Configs(NamedTuple):
   data: DataConfig
   optim: OptimConfig
   run: RunConfig
-  weights: HFWeights | None  # the initial weights; None: a random init
+  weights: HFWeights | None  # the initial weights (LoRA: the frozen base); None: a random init
 
 
 class Job(NamedTuple):
@@ -132,7 +140,7 @@ class Job(NamedTuple):
 
   request: Request
   configs: Configs
-  engine: EngineConfig | None  # None: the all-on-device step
+  engine: EngineConfig | LoraEngineConfig | None  # None: the all-on-device step
   mesh: jax.sharding.Mesh
   source: Source
 
@@ -186,6 +194,8 @@ def resolve(request: Request) -> Configs:
   if launch.hf_dir:
     print(f"note: {model_name(launch)} ({model_cfg.param_count() / 1e9:.2f} B params) has no preset: it trains with "
           f"{name}'s recipe, the nearest {model_cfg.family} preset in size")
+  if request.lora and not launch.hf_dir:
+    print("note: --lora_rank without --hf_dir fine-tunes adapters on a random base: for benchmarks only")
   batch_size = DataConfig.batch_size if batch_planned(request, model_cfg) else data.get("batch_size", recipe.batch_size)
   data_cfg = DataConfig(**{**data, "seq_len": data.get("seq_len", recipe.seq_len), "batch_size": batch_size})
   warmup = optim.get("warmup_steps", recipe.optim.warmup_steps)
@@ -196,8 +206,13 @@ def resolve(request: Request) -> Configs:
     print(f"note: --steps={steps} is shorter than twice the recipe's {recipe.optim.warmup_steps} warmup steps: "
           f"warming up over {warmup} (half the run) and decaying over the {steps} (--warmup_steps, "
           f"--decay_steps set them)")
+  lora_rate = request.lora is not None and "learning_rate" not in optim
+  if lora_rate:
+    print(f"note: LoRA fine-tunes at a peak learning rate of {FINE_TUNING_LEARNING_RATE:g}, not the recipe's "
+          f"{recipe.optim.learning_rate:g}, which trains every weight from scratch (--learning_rate sets it)")
   optim_cfg = dataclasses.replace(recipe.optim, **{**optim, "warmup_steps": warmup,
-                                                   "decay_steps": optim.get("decay_steps", steps)})
+                                                   "decay_steps": optim.get("decay_steps", steps)},
+                                  **({"learning_rate": FINE_TUNING_LEARNING_RATE} if lora_rate else {}))
   run_cfg = dataclasses.replace(request.run, workdir=request.run.workdir or os.path.join("runs", model_name(launch)))
   return Configs(model_cfg, data_cfg, optim_cfg, run_cfg, weights)
 
@@ -248,10 +263,21 @@ def fits_on_device(launch: LaunchConfig, model_cfg: ModelConfig, optim_cfg: Opti
     return False
 
 
+def plan_budget(launch: LaunchConfig, device: jax.Device, target: Machine | None, local: int = 1) -> Budget:
+  """One device's budget for its plan: a GPU of --target's or this device, --device_memory_gib and this process's
+  --host_memory_gib (an equal share for each of its `local` devices) replacing what they give."""
+  budget = target_budget(target, sharing=local) if target else default_budget(device, sharing=local)
+  return Budget(int(launch.device_memory_gib * GIB) or budget.device_bytes,
+                int(launch.host_memory_gib * GIB) // local or budget.host_bytes)
+
+
 def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -> tuple:
-  """(model config, data config, optim config, EngineConfig or None for the all-on-device step). On the offload
-  engine the plan settles what the request and the recipe leave open: the batch, and a bf16 first moment where fp32
-  moments do not fit. Prints the plan (and a line for each choice) when offloading."""
+  """(model config, data config, optim config, EngineConfig or None for the all-on-device step; LoraEngineConfig
+  for a LoRA request). On the offload engine the plan settles what the request and the recipe leave open: the
+  batch, and a bf16 first moment where fp32 moments do not fit. Prints the plan (and a line for each choice) when
+  offloading or fine-tuning adapters."""
+  if request.lora is not None:
+    return choose_lora_engine(request, configs)
   launch, model_cfg, data_cfg, optim_cfg = request.launch, configs.model, configs.data, configs.optim
   device = jax.devices()[0]
   target = MACHINES[launch.target] if launch.target else None
@@ -276,9 +302,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   # The host budget is this process's: each of its devices keeps its own share of the host-resident state in pinned
   # memory (a whole copy under pure data parallel), so each device plans with an equal part of it.
   local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-  budget = target_budget(target, sharing=local) if target else default_budget(device, sharing=local)
-  budget = Budget(int(launch.device_memory_gib * GIB) or budget.device_bytes,
-                  int(launch.host_memory_gib * GIB) // local or budget.host_bytes)
+  budget = plan_budget(launch, device, target, local)
   model = build(model_cfg)
   planned = batch_planned(request, model_cfg)
 
@@ -322,6 +346,62 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
     print("compiled step peak: this CPU's compile, scaled by the GPU/CPU ratio measured for llama13b at 8 x 2048 "
           "(sljax.plan.gpu_peak_from_cpu): an estimate for other shapes")
   return model_cfg, data_cfg, optim_cfg, dataclasses.replace(plan.engine, int8_exchange=launch.int8_exchange)
+
+
+def check_lora_request(launch: LaunchConfig):
+  """ValueError when a flag of LaunchConfig asks for what the LoRA engine does not do."""
+  asked = [f"--{name}" for name in ("tail_layers", "int8_exchange", "target") if getattr(launch, name)]
+  asked += [f"--engine={launch.engine}"] * (launch.engine != "auto")
+  asked += [f"--mesh={launch.mesh}"] * (math.prod(parse_mesh(launch.mesh).values()) > 1 if launch.mesh else False)
+  if asked:
+    raise ValueError(f"{' and '.join(asked)} shape full training; --lora_rank fine-tunes on one device through the "
+                     f"LoRA engine, whose plan places the frozen base (--sub_batches, --live_layers and the memory "
+                     f"budgets apply)")
+
+
+def choose_lora_engine(request: Request, configs: Configs) -> tuple:
+  """choose_engine for a LoRA request: sljax.lora.plan_lora on this device settles the layout (how much of the base
+  stays on the device) and, where the request and the recipe leave it open, the batch. Prints the plan."""
+  launch, model_cfg, data_cfg = request.launch, configs.model, configs.data
+  # The engine runs without per-layer remat (each group's backward recomputes it); the saved config says so.
+  model_cfg = dataclasses.replace(model_cfg, remat=False)
+  planned = batch_planned(request, model_cfg)
+  plan = plan_lora(LoraModel(build(model_cfg), request.lora), data_cfg.seq_len,
+                   plan_budget(launch, jax.devices()[0], None), batch=0 if planned else data_cfg.batch_size,
+                   sub_batches=launch.sub_batches, live_layers=launch.live_layers or 1,
+                   optimizer=make_optimizer(configs.optim))
+  if planned:
+    data_cfg = dataclasses.replace(data_cfg, batch_size=plan.batch)
+    why = "the fewest rows whose passes are compute-bound" if plan.compute_bound else "the most rows that fit"
+    print(f"note: batch {plan.batch}, the LoRA plan's: {why}")
+  print(f"plan for {model_name(launch)}, batch {data_cfg.batch_size} x {data_cfg.seq_len}:\n{plan.describe()}")
+  return model_cfg, data_cfg, configs.optim, plan.engine
+
+
+def lora_meta(request: Request, configs: Configs) -> dict | None:
+  """What the run's checkpoints record of its adapters and base (sljax.lora.run_meta); None when not fine-tuning."""
+  return None if request.lora is None else run_meta(request.lora, request.launch.hf_dir, configs.data.seed)
+
+
+def check_lora_resume(workdir: str, lora: dict):
+  """ValueError when the newest checkpoint in `workdir` does not hold adapters of this LoRA config on this base:
+  resumed, they would train on with another base or config. A workdir without a readable checkpoint passes (the
+  trainer starts afresh, or says why it cannot read it)."""
+  try:
+    step_dir, meta = newest_checkpoint(workdir)
+  except ValueError:
+    return
+  saved = meta.get("lora")
+  if saved is None:
+    raise ValueError(f"checkpoint {step_dir} holds a full training run's state, not LoRA adapters: use another "
+                     f"--workdir")
+  describe = {"base": describe_base, "rank": str, "alpha": lambda alpha: f"{alpha:g}",
+              "targets": lambda names: ",".join(names) or "every projection"}
+  changed = [f"{name} {show(saved.get(name))} saved, {show(lora[name])} asked" for name, show in describe.items()
+             if saved.get(name) != lora[name]]
+  if changed:
+    raise ValueError(f"checkpoint {step_dir} holds LoRA adapters of another base or config than this run's "
+                     f"({'; '.join(changed)}): resume with the saved ones, or use another --workdir")
 
 
 class StepFunctions(NamedTuple):
@@ -387,25 +467,54 @@ def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
                        skips_bad_steps=optim_cfg.grad_clip_norm > 0, settle=engine.settle)
 
 
+def lora_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, lora: LoraConfig, engine_cfg: LoraEngineConfig,
+                base, seed: int) -> LoraEngine:
+  """The LoRA engine train.py runs (sljax.lora): its AdamW and clipping over all adapters at once, on the frozen
+  base `base` (full base-model params or a reader, models.hf.HFWeights, read one group at a time), or with None the
+  random base of `seed`."""
+  engine = LoraEngine(LoraModel(build(model_cfg), lora), make_optimizer(optim_cfg), engine_cfg)
+  if base is None:
+    engine.init_base(random_base_key(seed))
+  else:
+    engine.load_base(base)
+  return engine
+
+
+def fine_tuned(engine: LoraEngine) -> StepFunctions:
+  """The LoRA engine as a training step: its state is the adapters, their optimizer state and the step; `load`
+  takes LoraModel params (the base in them is not read: the engine holds its own)."""
+  load = lambda params: engine.from_adapters(split_adapters(params["layers"])[1])
+  return StepFunctions(engine.init, load, engine.step, engine.abstract, engine.skips_bad_steps, engine.settle)
+
+
 # ---- the run -----------------------------------------------------------------------------------------------------
 
 def prepare(request: Request) -> Job:
   """Checks the request and settles what it leaves open (the recipe's values, the engine, the plan), printing the
   plan when it offloads and the recipe line. Everything that can be wrong with the request raises ValueError here,
   before the workdir or any array exists."""
-  launch, configs = request.launch, resolve(request)
+  launch = request.launch
+  if request.lora is not None:
+    check_lora_request(launch)
+  configs = resolve(request)
   if not launch.plan:
     trainer.check_workdir(configs.run.workdir)
     metrics.check_writable_file(configs.run.loss_log, what="loss_log", workdir=configs.run.workdir)
     metrics.check_logger()
+    if request.lora is not None:
+      check_lora_resume(configs.run.workdir, lora_meta(request, configs))
   source = make_source(configs.data, configs.model.max_positions, configs.model.vocab_size)
-  mesh = make_mesh(launch.mesh)
+  mesh = make_mesh("data:1,fsdp:1" if request.lora is not None else launch.mesh)  # LoRA: one device
   model_cfg, data_cfg, optim_cfg, engine_cfg = choose_engine(request, configs, mesh)
   check_batch(data_cfg.batch_size, engine_cfg.sub_batches if engine_cfg else 1, mesh)
   if data_cfg != configs.data:  # the plan chose the batch: the corpus read stays, the windows per step change
     source = Source(source.tokens, source.vocab_size, data_cfg)
   configs = configs._replace(model=model_cfg, data=data_cfg, optim=optim_cfg)
   print(recipe_line(request, configs, batch_planned(request, model_cfg) and engine_cfg is not None))
+  if request.lora is not None:
+    lora = request.lora
+    print(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, adapters on {', '.join(lora.targets) or 'every projection'} "
+          f"of each layer; the frozen base: {describe_base(lora_meta(request, configs)['base'])}")
   return Job(request, configs, engine_cfg, mesh, source)
 
 
@@ -419,14 +528,20 @@ def make_step(model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: Engine
 
 def train(job: Job) -> dict[int, float]:
   """Trains a prepared job (sljax.trainer.train: resumes, logs, checkpoints); returns {step: loss} of the steps run."""
-  launch, (model_cfg, data_cfg, optim_cfg, run_cfg, weights) = job.request.launch, job.configs
+  request, (model_cfg, data_cfg, optim_cfg, run_cfg, weights) = job.request, job.configs
+  launch = request.launch
   logging.info("%s: %.1f M params, %s compute on %s; workdir %s", model_name(launch), model_cfg.param_count() / 1e6,
                model_cfg.dtype, jax.devices()[0].device_kind, run_cfg.workdir)
   meta = {"model": model_name(launch), "hf_dir": launch.hf_dir, "overrides": list(launch.overrides),
           "model_config": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
           "optim": dataclasses.asdict(optim_cfg)}
+  learning_rate = learning_rate_schedule(optim_cfg)
+  if request.lora is not None:  # the weights are the frozen base, held by the engine; the state starts fresh
+    engine = lora_engine(model_cfg, optim_cfg, request.lora, job.engine, weights, data_cfg.seed)
+    recomputed = model_cfg.num_layers - (engine.groups[-1][1] - engine.groups[-1][0])  # all but the last group's
+    return trainer.train(fine_tuned(engine), job.source, run_cfg, {**meta, "lora": lora_meta(request, job.configs)},
+                         learning_rate, lora_flops_per_token(engine.model, data_cfg.seq_len, recomputed))
   mesh = job.mesh if job.mesh.size > 1 else None
-  return trainer.train(make_step(model_cfg, optim_cfg, job.engine, mesh), job.source, run_cfg, meta,
-                       learning_rate_schedule(optim_cfg), model_cfg.flops_per_token(data_cfg.seq_len),
-                       devices=job.mesh.size, init_params=weights)
+  return trainer.train(make_step(model_cfg, optim_cfg, job.engine, mesh), job.source, run_cfg, meta, learning_rate,
+                       model_cfg.flops_per_token(data_cfg.seq_len), devices=job.mesh.size, init_params=weights)
 

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from models.presets import build, get_config
-from sljax.lora import (LoraConfig, LoraEngine, LoraEngineConfig, LoraModel, join_adapters, lora_flops_per_token,
-                        merge, plan_lora, split_adapters)
+from sljax.lora import (LoraConfig, LoraEngine, LoraEngineConfig, LoraModel, MergedWeights, RandomBase, join_adapters,
+                        lora_flops_per_token, merge, plan_lora, split_adapters)
 from sljax.machines import GIB, Budget
 from sljax.memory import HOST
 from tests.test_engine import make_batch, rel_error
@@ -136,13 +136,32 @@ def test_merged_adapters_are_the_same_model():
                              with_adapters, rtol=2e-5, atol=2e-5)
 
 
+def test_merged_weights_read_group_by_group_are_the_merged_params():
+  """What generate.py --lora_checkpoint loads: the base read one group at a time, each group's adapters merged; a
+  run's random base (no Hugging Face files) is the engine's init_base."""
+  model = _model("opt", rank=2)
+  engine = LoraEngine(model, optax.sgd(0.0), LoraEngineConfig(live_layers=3))
+  engine.init_base(jax.random.key(5))
+  base = engine.base_params()
+  reader = RandomBase(model.base, jax.random.key(5))
+  jax.tree.map(np.testing.assert_array_equal, {"outer": reader.outer(), "layers": reader.layers(0, 3)}, base)
+  rng = np.random.default_rng(0)
+  adapters = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32),
+                          jax.eval_shape(model.init_adapters, jax.random.key(0), base["layers"]))
+  merged = MergedWeights(reader, model.lora, adapters)
+  whole = merge(model.lora, join_adapters(base["layers"], adapters))
+  by_group = jax.tree.map(lambda *xs: np.concatenate(xs), *(merged.layers(i, i + 1) for i in range(3)))
+  jax.tree.map(np.testing.assert_array_equal, by_group, jax.tree.map(np.asarray, whole))
+
+
 def test_targets_name_the_adapted_projections():
   model = _model("llama", rank=2)
-  adapters = model.init_adapters(jax.random.key(0), model.base.init(jax.random.key(1))["layers"])
+  layers = model.base.init(jax.random.key(1))["layers"]
+  adapters = model.init_adapters(jax.random.key(0), layers)
   assert sorted(adapters) == sorted(TARGETS["llama"])
-  with pytest.raises(ValueError, match="no Dense module of the layers is named"):
-    LoraModel(model.base, LoraConfig(targets=("query",))).init_adapters(
-        jax.random.key(0), model.base.init(jax.random.key(1))["layers"])
+  for targets in (("query",), ("q_proj", "query")):  # one unknown name is a typo, even beside known ones
+    with pytest.raises(ValueError, match="no Dense module of the layers is named query"):
+      LoraModel(model.base, LoraConfig(targets=targets)).init_adapters(jax.random.key(0), layers)
 
 
 @pytest.mark.parametrize("field, value", [("rank", 0), ("alpha", float("nan")), ("alpha", -1.0)])

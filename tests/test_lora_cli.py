@@ -1,0 +1,182 @@
+"""LoRA from the command line: train.py --lora_rank fine-tunes adapters on a frozen Hugging Face base, checkpoints
+only them (and where the base is), resumes bit for bit and refuses to resume on another base; generate.py
+--lora_checkpoint generates from the merged model; sljax.lora_export writes it for transformers."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from absl import flags
+
+import train
+from models.hf import HFWeights, load_hf
+from models.presets import build
+from sljax.checkpoint import newest_checkpoint, read_manifest
+from sljax.generate import SamplingConfig, generate_on_device
+from sljax.lora import LoraModel, join_adapters, merge, open_checkpoint, read_adapters
+from sljax.lora_export import ExportConfig, export
+from tests.test_bad_inputs import GENERATE_CASES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LORA = ["--set=dtype=float32", "--seq_len=16", "--batch_size=4", "--max_tokens=20000", "--warmup_steps=1",
+        "--decay_steps=4", "--log_every=1", "--checkpoint_every=1", "--learning_rate=1e-2", "--lora_rank=4",
+        "--lora_targets=q_proj,v_proj", "--lora_targets=down_proj"]  # a comma list and a repeated flag
+
+
+def train_in_process(*args) -> dict[int, float]:
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["train.py", *args])
+  return train.run()
+
+
+class Trained(NamedTuple):
+  hf_dir: str
+  workdir: str
+  history: dict
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Trained:
+  """A tiny transformers LLaMA as the base, and two LoRA steps on it (checkpoints at steps 1 and 2)."""
+  root = tmp_path_factory.mktemp("lora")
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+  model = transformers.LlamaForCausalLM(config)
+  with torch.no_grad():  # far from a fresh init, so that a mis-read base cannot pass for it
+    for p in model.parameters():
+      p.add_(0.1 * torch.randn_like(p))
+  model.save_pretrained(root / "hf")
+  history = train_in_process(f"--hf_dir={root / 'hf'}", f"--workdir={root / 'run'}", *LORA, "--steps=2")
+  return Trained(str(root / "hf"), str(root / "run"), history)
+
+
+def files_under(directory) -> dict[str, int]:
+  return {os.path.join(d, name): os.path.getsize(os.path.join(d, name))
+          for d, _, names in os.walk(directory) for name in names}
+
+
+def test_lora_run_trains_only_the_adapters_and_resumes_bit_for_bit(tmp_path, trained):
+  uninterrupted = train_in_process(f"--hf_dir={trained.hf_dir}", f"--workdir={tmp_path / 'one'}", *LORA, "--steps=4")
+  assert uninterrupted[4] < uninterrupted[1] - 0.05, uninterrupted
+  shutil.copytree(trained.workdir, tmp_path / "two")
+  resumed = train_in_process(f"--hf_dir={trained.hf_dir}", f"--workdir={tmp_path / 'two'}", *LORA, "--steps=4")
+  assert sorted(resumed) == [3, 4]
+  assert [trained.history[n] for n in (1, 2)] + [resumed[n] for n in (3, 4)] == [uninterrupted[n] for n in range(1, 5)]
+  one, two = (open_checkpoint(str(tmp_path / name)) for name in ("one", "two"))
+  for a, b in zip(*(sorted(read_adapters(c).items()) for c in (one, two))):
+    for leaf in ("lora_a", "lora_b"):
+      np.testing.assert_array_equal(a[1][leaf], b[1][leaf])
+  assert sorted(read_adapters(one)) == ["down_proj", "q_proj", "v_proj"]
+
+  # The checkpoint holds the adapters, their optimizer state and the step; the base only as a pointer.
+  state = read_manifest(os.path.join(one.step_dir, "state"))
+  assert {entry["path"][0] for entry in state["arrays"]} == {"step", "adapters", "opt"}
+  assert one.meta["lora"] == {"rank": 4, "alpha": 16.0, "targets": ["q_proj", "v_proj", "down_proj"],
+                              "base": {"hf_dir": os.path.abspath(trained.hf_dir)}}
+
+
+def test_a_resume_on_another_base_or_lora_config_is_refused_before_anything_is_written(tmp_path, trained):
+  shutil.copytree(trained.hf_dir, tmp_path / "copy")
+  step_dir, _ = newest_checkpoint(trained.workdir)
+  before = files_under(trained.workdir)
+  lora = [flag for flag in LORA if not flag.startswith("--lora_rank")]
+  refusals = {  # flags -> the start of the one line
+      (f"--hf_dir={tmp_path / 'copy'}", *LORA):
+          f"sljax: checkpoint {step_dir} holds LoRA adapters of another base or config than this run's (base "
+          f"{os.path.abspath(trained.hf_dir)} saved, {tmp_path / 'copy'} asked): resume with the saved ones",
+      ("--set=num_layers=2", *LORA):
+          f"sljax: checkpoint {step_dir} holds LoRA adapters of another base or config than this run's (base "
+          f"{os.path.abspath(trained.hf_dir)} saved, a random base of seed 0 asked)",
+      (f"--hf_dir={trained.hf_dir}", *lora, "--lora_rank=8"):
+          f"sljax: checkpoint {step_dir} holds LoRA adapters of another base or config than this run's (rank 4 "
+          f"saved, 8 asked)",
+      (f"--hf_dir={trained.hf_dir}", *[flag for flag in lora if not flag.startswith("--lora")]):
+          f"sljax: checkpoint {step_dir} holds another training state than this run's",
+  }
+  for args, line in refusals.items():
+    with pytest.raises(SystemExit) as info:
+      train_in_process(f"--workdir={trained.workdir}", *args, "--steps=3")
+    assert str(info.value).startswith(line) and "\n" not in str(info.value), info.value
+  assert files_under(trained.workdir) == before
+
+
+BAD_FLAGS = {  # flags -> the one line's message
+    "LoRA rank must be >= 1, got 0": ["--lora_rank=0"],
+    "no Dense module of the layers is named query (LoRA targets q_proj, query): the layers' are ":
+        ["--lora_rank=4", "--lora_targets=q_proj,query"],
+    "--lora_alpha shape LoRA adapters: add --lora_rank": ["--lora_alpha=8"],
+    "--engine=offload shape full training; --lora_rank fine-tunes on one device": ["--lora_rank=4",
+                                                                                  "--engine=offload"],
+}
+
+
+@pytest.mark.parametrize("message", BAD_FLAGS)
+def test_bad_lora_flags_exit_with_one_line_before_the_workdir_exists(tmp_path, message):
+  with pytest.raises(SystemExit) as info:
+    train_in_process(f"--workdir={tmp_path / 'run'}", "--seq_len=16", "--batch_size=2", "--max_tokens=2000",
+                     *BAD_FLAGS[message])
+  assert str(info.value).startswith(f"sljax: {message}") and "\n" not in str(info.value), info.value
+  assert not (tmp_path / "run").exists()
+
+
+# generate.py's flags clash with train.py's in one process: its cases run in one other process (GENERATE_CASES).
+
+
+def merged_params(trained: Trained):
+  """(model config, the base's params with the newest checkpoint's adapters merged, the base's params)."""
+  checkpoint = open_checkpoint(trained.workdir)
+  cfg, base = load_hf(trained.hf_dir, dtype="float32")
+  layers = merge(checkpoint.lora, join_adapters(base["layers"], read_adapters(checkpoint)))
+  return cfg, {"outer": base["outer"], "layers": layers}, base
+
+
+def test_generate_with_the_lora_checkpoint_is_generating_from_the_merged_params(tmp_path, trained):
+  prompts = ["Hi there", "abc", "The end"]
+  (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+  (tmp_path / "empty").mkdir()
+  shutil.copytree(trained.hf_dir, tmp_path / "moved")
+  args = [f"--prompt_file={tmp_path / 'prompts.txt'}", "--max_new_tokens=4", "--batch=3", "--live_layers=1",
+          "--resident_layers=1"]
+  cases = [[f"--lora_checkpoint={trained.workdir}", *args],
+           [f"--lora_checkpoint={trained.workdir}", f"--hf_dir={tmp_path / 'moved'}", *args],
+           [f"--lora_checkpoint={trained.workdir}", "--random_weights", *args],
+           [f"--lora_checkpoint={tmp_path / 'empty'}", *args]]
+  result = subprocess.run([sys.executable, "-c", GENERATE_CASES, json.dumps(cases)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  named, moved, two_sources, empty = json.loads(result.stdout.splitlines()[-1])
+
+  cfg, params, base = merged_params(trained)
+  assert np.abs(params["layers"]["q_proj"]["kernel"] - base["layers"]["q_proj"]["kernel"]).max() > 1e-3
+  want = generate_on_device(build(cfg), params, [list(p.encode()) for p in prompts], SamplingConfig(max_new_tokens=4))
+  assert [r["tokens"] for r in named["records"]] == want.tokens.tolist()
+  assert moved == named
+  assert two_sources["exit"] == "sljax: give one weight source, not --random_weights and --lora_checkpoint"
+  assert empty["exit"] == f"sljax: {tmp_path / 'empty'} holds no checkpoint"
+
+
+def test_export_loads_in_transformers_with_the_lora_models_logits(tmp_path, trained):
+  cfg = export(ExportConfig(checkpoint=trained.workdir, out=str(tmp_path / "merged")))
+  assert HFWeights(str(tmp_path / "merged")).cfg == HFWeights(trained.hf_dir).cfg  # the base's architecture
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
+  tokens_BxS = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
+  with torch.no_grad():
+    got_BxSxV = reloaded.eval()(torch.from_numpy(tokens_BxS)).logits.numpy()
+
+  checkpoint = open_checkpoint(trained.workdir)
+  _, base = load_hf(trained.hf_dir, dtype="float32")
+  model = LoraModel(build(cfg), checkpoint.lora)  # the adapters applied as they were trained, not merged
+  outer, layers = base["outer"], join_adapters(base["layers"], read_adapters(checkpoint))
+  want_BxSxV = model.logits(outer, model.layers(layers, model.embed(outer, jnp.asarray(tokens_BxS, jnp.int32))))
+  np.testing.assert_allclose(got_BxSxV, want_BxSxV, rtol=0, atol=1e-4)
+  with pytest.raises(ValueError, match="exists and is not an empty directory"):
+    export(ExportConfig(checkpoint=trained.workdir, out=str(tmp_path / "merged")))
