@@ -38,7 +38,8 @@ flags.DEFINE_integer("batch", 0, "Rows per step (0: the plan's).")
 flags.DEFINE_integer("lora_rank", 16, "Adapter rank.")
 flags.DEFINE_integer("steps", 3, "Timed steps after the warm-up step.")
 flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan may use (below XLA's pinned pool cap).")
-flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit less 4 GiB).")
+flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit; the plan keeps "
+                   "sljax.lora.GPU_MARGIN_BYTES of it unplanned).")
 flags.DEFINE_string("workdir", "/tmp/sljax_lora_checkpoint", "Where the adapters' checkpoint goes (removed after).")
 FLAGS = flags.FLAGS
 
@@ -140,7 +141,7 @@ def main(argv):
     results.append(run("llama-tiny", Budget(sum(roomy.device_bytes.values()) - layer, GIB), overrides))
   else:
     budget = default_budget()
-    device = FLAGS.device_memory_gib * GIB or budget.device_bytes - 4 * GIB
+    device = FLAGS.device_memory_gib * GIB or budget.device_bytes
     for name in FLAGS.models:
       results.append(run(name, Budget(int(device), int(FLAGS.host_memory_gib * GIB)),
                          dict(param_dtype="bfloat16", remat=False)))

@@ -350,7 +350,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
 
 def check_lora_request(launch: LaunchConfig):
   """ValueError when a flag of LaunchConfig asks for what the LoRA engine does not do."""
-  asked = [f"--{name}" for name in ("tail_layers", "int8_exchange", "target") if getattr(launch, name)]
+  asked = [f"--{name}" for name in ("tail_layers", "int8_exchange") if getattr(launch, name)]
   asked += [f"--engine={launch.engine}"] * (launch.engine != "auto")
   asked += [f"--mesh={launch.mesh}"] * (math.prod(parse_mesh(launch.mesh).values()) > 1 if launch.mesh else False)
   if asked:
@@ -366,10 +366,11 @@ def choose_lora_engine(request: Request, configs: Configs) -> tuple:
   # The engine runs without per-layer remat (each group's backward recomputes it); the saved config says so.
   model_cfg = dataclasses.replace(model_cfg, remat=False)
   planned = batch_planned(request, model_cfg)
+  target = MACHINES[launch.target] if launch.target else None
   plan = plan_lora(LoraModel(build(model_cfg), request.lora), data_cfg.seq_len,
-                   plan_budget(launch, jax.devices()[0], None), batch=0 if planned else data_cfg.batch_size,
+                   plan_budget(launch, jax.devices()[0], target), batch=0 if planned else data_cfg.batch_size,
                    sub_batches=launch.sub_batches, live_layers=launch.live_layers or 1,
-                   optimizer=make_optimizer(configs.optim))
+                   optimizer=make_optimizer(configs.optim), target=target)
   if planned:
     data_cfg = dataclasses.replace(data_cfg, batch_size=plan.batch)
     why = "the fewest rows whose passes are compute-bound" if plan.compute_bound else "the most rows that fit"

@@ -16,6 +16,7 @@ from sljax.lora import (LoraConfig, LoraEngine, LoraEngineConfig, LoraModel, Mer
                         lora_flops_per_token, merge, plan_lora, split_adapters)
 from sljax.machines import GIB, Budget
 from sljax.memory import HOST
+from sljax.sizes import model_sizes
 from tests.test_engine import make_batch, rel_error
 
 SHAPES = {  # few shapes, so examples reuse compiled calls; values, placement, rank scale and optimizer vary freely
@@ -207,3 +208,18 @@ def test_flops_count_the_base_three_times_and_the_recompute_only_where_it_runs()
   kernels = 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 40
   adapters = 2 * (32 + 32) + 2 * (32 + 16) + 2 * (40 + 32)  # q: 32 -> 32, v: 32 -> 16, down: 40 -> 32
   assert all_recomputed - no_recompute == 4 * (2 * kernels + 2 * adapters + 2 * 8 * 32)
+
+
+def test_a_plan_for_a_gpu_keeps_its_margin_and_corrects_the_cpu_compiled_peak(monkeypatch):
+  """--target on a CPU: the GPU's rates, GPU_MARGIN_BYTES unplanned, the calls' peak through gpu_peak_from_cpu."""
+  import sljax.lora as lora
+  from sljax.machines import H200
+  monkeypatch.setattr(lora, "gpu_peak_from_cpu", lambda cpu_peak: 3 * cpu_peak)
+  model = _model("llama", rank=2)
+  here = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4)
+  there = plan_lora(model, 8, Budget(device_bytes=8 * GIB, host_bytes=GIB), batch=4, target=H200)
+  assert here.device_bytes["margin (unplanned)"] == 0
+  assert there.device_bytes["margin (unplanned)"] == lora.GPU_MARGIN_BYTES
+  assert there.device_bytes["largest call (compiled)"] == 3 * here.device_bytes["largest call (compiled)"]
+  assert there.forward_seconds == pytest.approx(4 * 8 * 2 * model_sizes(model.base).layer_params * 4
+                                                / (H200.peak_flops * H200.layer_efficiency))
