@@ -185,15 +185,45 @@ def load_hf(path: str, **overrides) -> tuple[ModelConfig, Params]:
   return weights.cfg, {"outer": weights.outer(), "layers": weights.layers(0, weights.cfg.num_layers)}
 
 
-def save_hf(path: str, cfg: ModelConfig, params: Params):
-  """Writes config.json and model.safetensors that transformers' from_pretrained loads."""
-  hf = config_to_hf(cfg)
+def _tensors(cfg: ModelConfig, part: str, tree, first_layer: int = 0) -> dict[str, np.ndarray]:
+  """Hugging Face tensors of the outer params (part "outer") or of stacked layers first_layer.. (part "layers")."""
   tensors = {}
-  for (part, module, leaf), value in traverse_util.flatten_dict(params).items():
+  for (module, leaf), value in traverse_util.flatten_dict(tree).items():
     value = np.asarray(value)
-    for i, tensor in [(None, value)] if part == "outer" else enumerate(value):
+    for i, tensor in [(None, value)] if part == "outer" else enumerate(value, first_layer):
       tensors[_hf_name(cfg.family, module, leaf, i)] = np.ascontiguousarray(tensor.T if leaf == "kernel" else tensor)
+  return tensors
+
+
+def _write_config(path: str, cfg: ModelConfig):
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(hf, f, indent=2)
+    json.dump(config_to_hf(cfg), f, indent=2)
+
+
+def save_hf(path: str, cfg: ModelConfig, params: Params):
+  """Writes config.json and model.safetensors that transformers' from_pretrained loads."""
+  _write_config(path, cfg)
+  tensors = {**_tensors(cfg, "outer", params["outer"]), **_tensors(cfg, "layers", params["layers"])}
   save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_hf_shards(path: str, cfg: ModelConfig, reader, layers_per_shard: int):
+  """Writes config.json, safetensors shards (the outer params, then layers_per_shard layers each) and the index
+  transformers reads them by (model.safetensors.index.json), from a reader with outer() and layers(start, stop)
+  (models.common.InMemoryParams, HFWeights, ...): only one shard's tensors are in host memory at a time, so a model
+  larger than host RAM can be written."""
+  _write_config(path, cfg)
+  starts = range(0, cfg.num_layers, layers_per_shard)
+  names = [f"model-{i + 1:05d}-of-{len(starts) + 1:05d}.safetensors" for i in range(len(starts) + 1)]
+  weight_map, total = {}, 0
+  pieces = [lambda: _tensors(cfg, "outer", reader.outer())] + [
+      lambda a=a: _tensors(cfg, "layers", reader.layers(a, min(a + layers_per_shard, cfg.num_layers)), a)
+      for a in starts]
+  for name, piece in zip(names, pieces):
+    tensors = piece()
+    save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(tensors, name))
+    total += sum(x.nbytes for x in tensors.values())
+  with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -1,21 +1,23 @@
-"""Writes a LoRA run's fine-tuned model as a Hugging Face directory (config.json + model.safetensors) that
-transformers' from_pretrained loads: the newest checkpoint's adapters folded into the kernels of their base.
+"""Writes a LoRA run's fine-tuned model as a Hugging Face directory (config.json, safetensors shards and their index)
+that transformers' from_pretrained loads: the newest checkpoint's adapters folded into the kernels of their base.
 
   python -m sljax.lora_export --checkpoint runs/llama7b-lora --out llama7b-merged
   python -m sljax.lora_export --checkpoint runs/llama7b-lora --hf_dir /data/Llama-2-7b-hf --out llama7b-merged
 
-The base is the one the checkpoint names (--hf_dir: that base, read from there), read and merged one layer group at
-a time (sljax.lora.MergedWeights); the merged model is then written whole (models.hf.save_hf), in the run's param
-dtype (--set param_dtype=bfloat16 writes an fp32 run's in bf16, half the bytes).
+The base is the one the checkpoint names (--hf_dir: that base, read from there), read, merged and written one shard
+of layers at a time (sljax.lora.MergedWeights, models.hf.save_hf_shards), so a model larger than host RAM exports;
+in the run's param dtype (--set param_dtype=bfloat16 writes an fp32 run's in bf16, half the bytes).
 """
 
 import dataclasses
 import os
 
+import jax.numpy as jnp
+
 from absl import app, logging
 
 from models.config import ModelConfig
-from models.hf import save_hf
+from models.hf import save_hf_shards
 from models.presets import parse_overrides
 from sljax.flags import define
 from sljax.lora import MergedWeights, base_weights, open_checkpoint, read_adapters
@@ -29,6 +31,7 @@ class ExportConfig:
   out: str = ""  # the directory to write, new or empty
   hf_dir: str = ""  # the adapters' base, read from here (default: where the checkpoint's metadata says it is)
   overrides: tuple[str, ...] = ()  # override field=value of the run's model config, repeatable
+  shard_gib: float = 5.0  # each shard of layers at most about this size (at least one layer)
 
   def __post_init__(self):
     for name in ("checkpoint", "out"):
@@ -45,7 +48,8 @@ def export(cfg: ExportConfig) -> ModelConfig:
   model_cfg = ModelConfig(**{**checkpoint.meta["model_config"], **parse_overrides(cfg.overrides)})
   merged = MergedWeights(base_weights(checkpoint, model_cfg, cfg.hf_dir or None), checkpoint.lora,
                          read_adapters(checkpoint))
-  save_hf(cfg.out, model_cfg, {"outer": merged.outer(), "layers": merged.layers(0, model_cfg.num_layers)})
+  layer_bytes = model_cfg.layer_param_count() * jnp.dtype(model_cfg.param_dtype).itemsize
+  save_hf_shards(cfg.out, model_cfg, merged, max(1, int(cfg.shard_gib * 2**30 // layer_bytes)))
   return model_cfg
 
 

@@ -165,7 +165,11 @@ def test_generate_with_the_lora_checkpoint_is_generating_from_the_merged_params(
 
 
 def test_export_loads_in_transformers_with_the_lora_models_logits(tmp_path, trained):
-  cfg = export(ExportConfig(checkpoint=trained.workdir, out=str(tmp_path / "merged")))
+  # One layer per shard (the model is tiny): written a shard at a time, read back through the index.
+  cfg = export(ExportConfig(checkpoint=trained.workdir, out=str(tmp_path / "merged"), shard_gib=1e-9))
+  with open(tmp_path / "merged" / "model.safetensors.index.json") as f:
+    shards = set(json.load(f)["weight_map"].values())
+  assert len(shards) == cfg.num_layers + 1 and shards == {p.name for p in (tmp_path / "merged").glob("*.safetensors")}
   assert HFWeights(str(tmp_path / "merged")).cfg == HFWeights(trained.hf_dir).cfg  # the base's architecture
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
   tokens_BxS = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
