@@ -232,3 +232,43 @@ def test_a_plan_for_a_gpu_keeps_its_margin_and_corrects_the_cpu_compiled_peak(mo
   assert there.device_bytes["largest call (compiled)"] == 3 * here.device_bytes["largest call (compiled)"]
   assert there.forward_seconds == pytest.approx(4 * 8 * 2 * model_sizes(model.base).layer_params * 4
                                                 / (H200.peak_flops * H200.layer_efficiency))
+
+
+@pytest.mark.parametrize("layers_short", [0, 2])
+def test_live_bytes_after_every_dispatch_stay_within_the_plan(layers_short):
+  """What the engine holds, per memory kind, after each of its calls and transfers over steady steps, against what
+  its plan says (less the compiled calls' scratch, which no live array shows): everything on the device, and a
+  device layers_short layers too small, so that part of the base streams from host memory."""
+  import gc
+  model = _model("llama", rank=2)
+  roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, sub_batches=2)
+  layer = roomy.device_bytes["resident base layers"] // 4
+  plan = plan_lora(model, 8, Budget(sum(roomy.device_bytes.values()) - layers_short * layer, GIB), batch=4,
+                   sub_batches=2)
+  assert (plan.engine.resident_layers < 4) == (layers_short > 0)
+  engine = LoraEngine(model, optax.adamw(1e-3), plan.engine)
+  gc.collect()
+  before = {kind: sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted() and x.sharding.memory_kind == kind)
+            for kind in ("device", HOST)}
+  peaks = dict.fromkeys(before, 0)
+
+  def recorded(fn):
+    def call(*args, **kwargs):
+      out = fn(*args, **kwargs)
+      live = [x for x in jax.live_arrays() if not x.is_deleted()]
+      for kind in peaks:
+        peaks[kind] = max(peaks[kind], sum(x.nbytes for x in live if x.sharding.memory_kind == kind) - before[kind])
+      return out
+    return call
+
+  for name in ("_embed", "_forward", "_last_group", "_backward", "_update", "_zeros"):
+    setattr(engine, name, recorded(getattr(engine, name)))
+  object.__setattr__(engine.place, "_put", recorded(engine.place._put))  # every transfer
+  engine.init_base(jax.random.key(0))
+  state = engine.init(jax.random.key(1))
+  batch = make_batch(np.random.default_rng(0), 4, 8)
+  for _ in range(3):
+    state, _ = engine.step(state, batch)
+  device = sum(plan.device_bytes.values()) - plan.device_bytes["largest call (compiled)"]
+  host = sum(plan.host_bytes.values())
+  assert peaks["device"] <= device and peaks[HOST] <= host, (peaks, device, host)
