@@ -4,6 +4,11 @@
   state = engine.init(jax.random.key(0))
   state, loss = engine.step(state, batch)  # batch: {"inputs", "targets", "weights"} [B, S] numpy arrays
 
+  # LoRA: a frozen base (streamed where the device cannot hold it), trainable adapters on the device
+  lora_model = sljax.LoraModel(model, sljax.LoraConfig(rank=16))  # model: a Flax layer-major one (models/)
+  lora = sljax.LoraEngine(lora_model, optax.adamw(2e-4), sljax.LoraEngineConfig(sub_batches=4, resident_layers=40))
+  lora.load_base(params)  # {"outer", "layers"} or a reader (models.hf.HFWeights); then init / step as above
+
 The model is anything of the contract in models.common (TrainingModel; GenerationModel for sljax.generate);
 examples/own_model.py writes one in plain jax.numpy. A step consumes its input state.
 
@@ -14,8 +19,9 @@ needs: inference never loads the training engine.
 import importlib
 
 _HOMES = {"Budget": "sljax.machines", "Engine": "sljax.schedule", "EngineConfig": "sljax.schedule",
-          "Placement": "sljax.memory", "default_budget": "sljax.machines", "make_plan": "sljax.plan",
-          "model_sizes": "sljax.sizes"}
+          "LoraConfig": "sljax.lora", "LoraEngine": "sljax.lora", "LoraEngineConfig": "sljax.lora",
+          "LoraModel": "sljax.lora", "Placement": "sljax.memory", "default_budget": "sljax.machines",
+          "make_plan": "sljax.plan", "model_sizes": "sljax.sizes", "plan_lora": "sljax.lora"}
 __all__ = sorted(_HOMES)
 
 
