@@ -422,9 +422,10 @@ class LoraPlan(NamedTuple):
   def describe(self) -> str:
     tier = lambda parts: ", ".join(f"{k} {v / 2**30:.1f}" for k, v in parts.items() if v)
     e = self.engine
+    stash = "in pinned host" if e.activations_on_host else "on the device"
     return "\n".join([
         f"LoRA plan: batch {self.batch} as {e.sub_batches} sub-batches, {e.resident_layers} base layers resident "
-        f"(the rest stream), {e.live_layers} per group, activations {'in pinned host' if e.activations_on_host else 'on the device'}",
+        f"(the rest stream), {e.live_layers} per group, activations {stash}",
         f"  device {sum(self.device_bytes.values()) / 2**30:.1f} GiB ({tier(self.device_bytes)})",
         f"  pinned host {sum(self.host_bytes.values()) / 2**30:.1f} GiB ({tier(self.host_bytes)})",
         f"  forward: compute {self.forward_seconds:.2f} s, copies {self.forward_copy_seconds:.2f} s; backward: compute "
@@ -508,7 +509,8 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
         continue
       device["resident base layers"] = resident * layer
       device["streamed base groups (2 in flight)"] = 2 * live_layers * layer if streamed else 0
-      copies = streamed * layer / machine.copy_bytes_per_s + (stash / machine.copy_to_host_bytes_per_s if on_host else 0)
+      copies = (streamed * layer / machine.copy_bytes_per_s
+                + (stash / machine.copy_to_host_bytes_per_s if on_host else 0))
       plans.append(LoraPlan(LoraEngineConfig(n, live_layers, resident, on_host), rows, device, host,
                             forward_seconds=forward, forward_copy_seconds=copies, backward_seconds=2 * forward,
                             backward_copy_seconds=copies))
