@@ -34,8 +34,8 @@ ZERO_INFERENCE = {"llama70b": "generate_llama70b_zero_inference_h200.json"}
 NOT_RUN = {  # (model, peer): why there is no file
     ("llama70b", "flexgen"): "FlexGen runs OPT models only",
     ("opt-66b", "zero_inference"): "not run: its exact setting is infeasible here (ZeRO-3 keeps all 132 GB of fp16 "
-                                   "weights in pinned host memory, more than the 128 GiB of RAM) and the session's "
-                                   "device time ran out before its int4 run",
+                                   "weights in pinned host memory, more than the 128 GiB of RAM); its int4 setting "
+                                   "has not run yet",
 }
 # The comparison's keys, and the run files' names for them.
 FIGURES = {"generated_tokens_per_s": "generation_tokens_per_s", "prefill_tokens_per_s": "prefill_tokens_per_s",
@@ -125,13 +125,14 @@ def main(argv):
       for kind in ("best_exact", "best_compressed"):
         best = figures.get(kind)
         why = figures.get("not_run") or "; ".join(s.get("status", "") for s in figures["settings"][kind[5:]])
-        print(f"{model:9s} {system:15s} {kind:16s} " + (f"{best['generated_tokens_per_s']:8.1f} tok/s  {best['setting']}"
-                                                      if best else why))
+        figure = f"{best['generated_tokens_per_s']:8.1f} tok/s  {best['setting']}" if best else why
+        print(f"{model:9s} {system:15s} {kind:16s} {figure}")
     print(model, json.dumps(entry["ratios"]))
   write_results(FLAGS.out, {**provenance(device=None), "workload": "random weights, prompt 512, 32 new tokens, greedy",
                             "models": models})
 
 
 if __name__ == "__main__":
-  flags.DEFINE_string("out", "", "Write the comparison JSON here.")  # here, not on import: the tests import comparison()
+  # Defined here, not on import: the tests import comparison().
+  flags.DEFINE_string("out", "", "Write the comparison JSON here.")
   app.run(main)

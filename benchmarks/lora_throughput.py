@@ -78,8 +78,10 @@ def run(name: str, budget: Budget, overrides: dict) -> dict:
   tokens_per_s = plan.batch * seq / step_s
   last_layers = engine.groups[-1][1] - engine.groups[-1][0]
   flops = lora_flops_per_token(model, seq, recomputed_layers=model.cfg.num_layers - last_layers)
-  peak = rates_of(jax.devices()[0].device_kind).peak_flops
-  copy_s = moved["host_to_device"] / 53e9 + moved["device_to_host"] / 54e9
+  machine = rates_of(jax.devices()[0].device_kind)
+  peak = machine.peak_flops
+  copy_s = (moved["host_to_device"] / machine.copy_bytes_per_s
+            + moved["device_to_host"] / machine.copy_to_host_bytes_per_s)
   result = {
       "model": name, "lora_rank": FLAGS.lora_rank, "seq_len": seq, "batch": plan.batch,
       "plan": dataclasses.asdict(plan.engine), "plan_device_bytes": plan.device_bytes,
@@ -88,14 +90,14 @@ def run(name: str, budget: Budget, overrides: dict) -> dict:
                        "backward": plan.backward_seconds, "backward_copies": plan.backward_copy_seconds},
       "step_seconds": step_s, "step_times": times, "tokens_per_s": tokens_per_s,
       "flops_per_token": flops, "mfu": tokens_per_s * flops / peak,
-      "pcie_bytes_per_step": moved, "pcie_seconds_per_step_at_53_54_gb_s": copy_s,
+      "pcie_bytes_per_step": moved, "pcie_seconds_per_step_at_the_copy_rates": copy_s,
       "first_loss": first, "losses": losses, "init_seconds": init_s, "warmup_seconds": warmup_s,
       "adapter_params": int(sum(x.size for x in jax.tree.leaves(state["adapters"]))),
       "peak_device_bytes": device_peak_bytes(),
       "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
   }
   print(f"{name}: {tokens_per_s:,.0f} tok/s, MFU {result['mfu']:.3f}, step {step_s:.2f} s, PCIe "
-        f"{sum(moved.values()) / 1e9:.1f} GB/step ({copy_s:.2f} s at 53/54 GB/s)", flush=True)
+        f"{sum(moved.values()) / 1e9:.1f} GB/step ({copy_s:.2f} s at the copy rates)", flush=True)
   result.update(save_and_resume(engine, state, batch))
   return result
 
