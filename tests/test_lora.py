@@ -2,6 +2,7 @@
 changes; adapters start as the identity and merge into the kernels."""
 
 import functools
+import gc
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from models.presets import build, get_config
+import sljax.lora as lora
 from sljax.lora import (LoraConfig, LoraEngine, LoraEngineConfig, LoraModel, MergedWeights, RandomBase, join_adapters,
                         lora_flops_per_token, merge, plan_lora, split_adapters)
-from sljax.machines import GIB, Budget
+from sljax.machines import GIB, H200, Budget
 from sljax.memory import HOST
 from sljax.sizes import model_sizes
 from tests.test_engine import make_batch, rel_error
@@ -33,7 +35,9 @@ def _model(family: str, rank: int, dtype: str = "float32") -> LoraModel:
 
 
 def _optimizer(name: str, clip: float):
-  tx = optax.sgd(1.0) if name == "sgd" else optax.adamw(1e-2, weight_decay=0.1)
+  # sgd at 0.1: at 1.0 the second step's tiny gradients (at a point one large step away) differ by fp32 rounding
+  # alone, by up to 5e-5 relative, even with one sub-batch, where the engine computes exactly the plain step's math.
+  tx = optax.sgd(0.1) if name == "sgd" else optax.adamw(1e-2, weight_decay=0.1)
   return optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
 
 
@@ -98,7 +102,7 @@ def test_engine_lora_steps_equal_plain_lora_steps_and_leave_the_base_alone(case)
     got_losses.append(float(loss))
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
   assert rel_error(engine.adapters(state), want_adapters) <= 1e-5
-  if optimizer_name == "sgd" and not clip:  # the update is exactly -gradient
+  if optimizer_name == "sgd" and not clip:  # the update is exactly -0.1 x the gradients
     got = jax.tree.map(np.subtract, adapters, engine.adapters(state))
     want = jax.tree.map(np.subtract, adapters, want_adapters)
     assert rel_error(got, want) <= 1e-5
@@ -221,8 +225,6 @@ def test_flops_count_the_base_three_times_and_the_recompute_only_where_it_runs()
 
 def test_a_plan_for_a_gpu_keeps_its_margin_and_corrects_the_cpu_compiled_peak(monkeypatch):
   """--target on a CPU: the GPU's rates, GPU_MARGIN_BYTES unplanned, the calls' peak through gpu_peak_from_cpu."""
-  import sljax.lora as lora
-  from sljax.machines import H200
   monkeypatch.setattr(lora, "gpu_peak_from_cpu", lambda cpu_peak: 3 * cpu_peak)
   model = _model("llama", rank=2)
   here = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4)
@@ -239,7 +241,6 @@ def test_live_bytes_after_every_dispatch_stay_within_the_plan(layers_short):
   """What the engine holds, per memory kind, after each of its calls and transfers over steady steps, against what
   its plan says (less the compiled calls' scratch, which no live array shows): everything on the device, and a
   device layers_short layers too small, so that part of the base streams from host memory."""
-  import gc
   model = _model("llama", rank=2)
   roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, sub_batches=2)
   layer = roomy.device_bytes["resident base layers"] // 4
