@@ -57,7 +57,8 @@ def summarize(command: list[str], log: str, losses: list[float | None], seconds:
   start = next((i for i, line in enumerate(lines) if line.startswith("plan for ")), None)
   plan = None
   if start is not None:
-    end = next(i for i in range(start, len(lines)) if lines[i].startswith("step time bound"))
+    # The full engine's plan ends with "step time bound: ... -> compute-bound", the LoRA plan's with "(compute-bound)".
+    end = next((i for i in range(start, len(lines)) if re.search(r"(compute|transfer)-bound\)?$", lines[i])), start)
     plan = "\n".join(lines[start:end + 1])
   found = windows(log)
   steady = found[1:]
@@ -69,7 +70,7 @@ def summarize(command: list[str], log: str, losses: list[float | None], seconds:
   finite = [x for x in losses if x is not None]
   ten = min(10, len(losses) // 2)
   goals = {
-      "plan_compute_bound": None if plan is None else plan.rstrip().endswith("compute-bound"),
+      "plan_compute_bound": None if plan is None else plan.rstrip().rstrip(")").endswith("compute-bound"),
       "mfu_steady_ge_0.45": None if mfu is None else mfu >= 0.45,
       "no_loss_above_1.05x_first": bool(finite) and len(finite) == len(losses) and max(finite) <= 1.05 * losses[0],
       "last_mean_below_first_mean": bool(ten) and None not in losses and (
