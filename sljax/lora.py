@@ -319,8 +319,10 @@ class LoraEngine:
     """State from adapters stacked over all layers (as LoraModel's params hold them)."""
     groups = [jax.tree.map(lambda x: jnp.asarray(x[a:b], jnp.float32), adapters) for a, b in self.groups]
     groups = self.place.to_device(groups)
+    # Laid out as the step's outputs are (the optimizer's counters too, which a plain jit would leave unplaced):
+    # otherwise the second step compiles the update again, a minute for llama70b's adapters on the GPU.
     return {"step": self.place.to_device(np.zeros((), np.int32)), "adapters": groups,
-            "opt": jax.jit(self.optimizer.init)(groups)}
+            "opt": jax.jit(self.optimizer.init, out_shardings=self.place.device())(groups)}
 
   def adapters(self, state: dict) -> dict:
     """The adapters stacked over all layers, numpy."""
