@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.common import cache_positions, check_model, params_reader
-from sljax.memory import Placement, prefetch
+from sljax.memory import InFlight, Placement, prefetch
 from sljax.quant import WEIGHT_BITS, QuantConfig, dequantize_layers, quantize_layers
 
 IN_FLIGHT = 2  # group calls the host may dispatch ahead of the device; more would hold more copies on the device
@@ -334,7 +334,7 @@ class _OffloadedPasses:
     streamed = [w for w, resident in zip(weights["groups"], generator.resident) if not resident]
     # Every pass visits the streamed groups in the same order, so the next pass's first fetch starts in this one.
     self.weight_stream = prefetch(itertools.cycle(streamed), generator.place.to_device)
-    self.in_flight = collections.deque()
+    self.in_flight = InFlight(IN_FLIGHT)  # at most IN_FLIGHT + 1 groups' weights and sub-batches' caches on the device
 
   def __call__(self, tokens_BxS, offset) -> jax.Array:
     gen, outer = self.gen, self.weights["outer"]
@@ -348,12 +348,5 @@ class _OffloadedPasses:
           weights = _dequantize(weights, gen.model.cfg.dtype)
       hs[s], cache = _layers(gen.model, weights, hs[s], cache, offset, self.starts[s], self.max_len)
       self.caches[g][s] = gen.stash_cache(cache)
-      self._bound(hs[s])
+      self.in_flight.add(hs[s])
     return _last_logits(gen.model, outer, hs)
-
-  def _bound(self, output):
-    """Waits for the call IN_FLIGHT calls back, so at most IN_FLIGHT + 1 groups' weights and sub-batches' caches are
-    on the device at once: a copy allocates its destination when it is issued, not when it runs."""
-    self.in_flight.append(output)
-    if len(self.in_flight) > IN_FLIGHT:
-      self.in_flight.popleft().block_until_ready()

@@ -47,7 +47,7 @@ from models.presets import build
 from sljax.checkpoint import newest_checkpoint, read_arrays
 from sljax.generate import layer_groups
 from sljax.machines import Budget, Machine, rates_of
-from sljax.memory import Placement, prefetch, tree_bytes
+from sljax.memory import InFlight, Placement, prefetch, tree_bytes
 from sljax.plan import gpu_peak_from_cpu
 from sljax.sizes import model_sizes
 
@@ -364,6 +364,10 @@ class LoraEngine:
                                      for key in ("inputs", "targets", "weights"))
     inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
     outer, adapters, last = self.base["outer"], state["adapters"], len(self.groups) - 1
+    # The host stays one group ahead of the device (and starts a step once the last one is done), so the device
+    # holds the two groups' base weights and the calls' buffers the plan counts, not those of every group dispatched.
+    jax.block_until_ready(state["step"])
+    pace = InFlight(1)
     # Each streamed group crosses PCIe once forward and once backward; the last group's weights serve both.
     stream = prefetch([*range(last + 1), *range(last - 1, -1, -1)], self._fetch)
 
@@ -373,6 +377,7 @@ class LoraEngine:
       w = next(stream)
       boundaries.append([self._stash(x) for x in level])
       level = [self._forward(w, adapters[g], x) for x in level]
+      pace.add(level[-1])
 
     w, grads = next(stream), [None] * (last + 1)
     acc, losses, cotangents = self._zeros(adapters[last]), [], []
@@ -380,6 +385,7 @@ class LoraEngine:
       loss, dx, acc = self._last_group(w, adapters[last], outer, x, targets[s], loss_weights[s], inv_total, acc)
       losses.append(loss)
       cotangents.append(dx)
+    pace.add(cotangents[-1])
     del level
     grads[last] = acc
 
@@ -388,6 +394,7 @@ class LoraEngine:
       for x, dy in zip(prefetch(boundaries.pop(), self._unstash), cotangents):
         dx, acc = self._backward(w, adapters[g], x, dy, acc)
         dxs.append(dx)
+      pace.add(dxs[-1])
       cotangents, grads[g] = dxs, acc
     del cotangents
 

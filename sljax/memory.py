@@ -9,6 +9,7 @@ summed over all devices:
                                     all-reducing them 2 (n-1)/n N
 """
 
+import collections
 import dataclasses
 import functools
 import os
@@ -190,6 +191,23 @@ def prefetch(items: Iterable, fetch: Callable) -> Iterator:
     current, upcoming = upcoming, fetch(item)
     yield current
   yield upcoming
+
+
+class InFlight:
+  """Bounds how far the host runs ahead of the device: `add(output)` of a call waits for the output added `limit`
+  calls before it. A call or a copy allocates its outputs when it is issued, not when it runs, and a buffer the host
+  drops is freed only once the calls that read it have run: a loop that never waits would hold every group's weights
+  and activations at once. An output donated to a later call since (deleted) is not waited for."""
+
+  def __init__(self, limit: int):
+    self.limit, self.outputs = limit, collections.deque()
+
+  def add(self, output: jax.Array):
+    self.outputs.append(output)
+    while len(self.outputs) > self.limit:
+      oldest = self.outputs.popleft()
+      if not oldest.is_deleted():
+        oldest.block_until_ready()
 
 
 def resident_bytes() -> int:

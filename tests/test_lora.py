@@ -17,7 +17,7 @@ import sljax.lora as lora
 from sljax.lora import (LoraConfig, LoraEngine, LoraEngineConfig, LoraModel, MergedWeights, RandomBase, join_adapters,
                         lora_flops_per_token, merge, plan_lora, split_adapters)
 from sljax.machines import GIB, H200, Budget
-from sljax.memory import HOST
+from sljax.memory import HOST, InFlight
 from sljax.sizes import model_sizes
 from tests.test_engine import make_batch, rel_error
 
@@ -214,6 +214,43 @@ def test_steps_after_the_first_compile_nothing():
   finally:
     jax.monitoring.unregister_event_duration_listener(count)
   assert compiles == []
+
+
+def test_a_step_waits_for_each_group_before_it_dispatches_past_the_next(monkeypatch):
+  """The host stays one group ahead of the device: after each group's calls are issued, the previous group's are
+  done (sljax.memory.InFlight waits), so the device never holds more groups' weights than the plan counts."""
+  left_waiting = []
+
+  class Recording(InFlight):
+    def add(self, output):
+      super().add(output)
+      left_waiting.append(len(self.outputs))
+
+  monkeypatch.setattr(lora, "InFlight", Recording)
+  model = _model("llama", rank=2)
+  engine = LoraEngine(model, optax.adamw(1e-3), LoraEngineConfig(sub_batches=2, resident_layers=2))
+  engine.init_base(jax.random.key(0))
+  _, loss = engine.step(engine.init(jax.random.key(1)), make_batch(np.random.default_rng(0), 4, 8))
+  assert np.isfinite(float(loss))
+  assert left_waiting == [1] * (2 * len(engine.groups) - 1)  # every group forward, the last, every group backward
+
+
+class _Output:
+  def __init__(self, deleted=False):
+    self.deleted, self.waited = deleted, False
+
+  def is_deleted(self):
+    return self.deleted
+
+  def block_until_ready(self):
+    self.waited = True
+
+
+def test_in_flight_waits_for_the_output_limit_calls_back_unless_donated_since():
+  pace, outputs = InFlight(2), [_Output(), _Output(deleted=True), _Output(), _Output(), _Output()]
+  for n, output in enumerate(outputs):
+    pace.add(output)
+    assert [x.waited for x in outputs] == [n >= 2, False, n >= 4, False, False]
 
 
 def test_plan_streams_what_the_device_cannot_hold_and_its_engine_runs():
