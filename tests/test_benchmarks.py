@@ -159,6 +159,15 @@ def test_train_py_run_smoke_reads_the_plan_windows_and_every_loss(tmp_path):
   assert (tmp_path / "result.log").read_text().count("loss ") > 0
 
 
+def test_train_py_run_reads_a_lora_plan():
+  from benchmarks.train_py_run import summarize
+  plan = ["plan for llama70b, batch 8 x 2048:", "LoRA plan: batch 8 as 1 sub-batches, 58 base layers resident",
+          "  pinned host 35.1 GiB (streamed base layers 35.1)",
+          "  forward: compute 3.24 s, copies 0.71 s; backward: compute 6.48 s, copies 0.71 s (compute-bound)"]
+  result = summarize(["--lora_rank=16"], "\n".join(["note: a", *plan, "recipe of llama70b"]), [13.1], 1.0, 1)
+  assert result["plan"] == "\n".join(plan) and result["goals"]["plan_compute_bound"] is True
+
+
 def test_deepspeed_baseline_smoke_on_torch_fsdp(tmp_path):
   """The baseline's PyTorch FSDP2 backend needs only the CPU torch of requirements.txt."""
   result = smoke("baselines.deepspeed_zero3", tmp_path, "--backend=fsdp_cpu_offload")
