@@ -159,6 +159,18 @@ def test_train_py_run_smoke_reads_the_plan_windows_and_every_loss(tmp_path):
   assert (tmp_path / "result.log").read_text().count("loss ") > 0
 
 
+def test_int4_matmul_smoke_times_every_variant_and_they_agree(tmp_path):
+  result = smoke("int4_matmul", tmp_path)
+  assert has_provenance(result, "int4_matmul")
+  (case,) = result["results"]
+  assert set(case["ms"]) == {"bf16", "dequantize", "dot", "dequantize+dot", "fused_uint8", "fused_int4"}
+  assert all(ms > 0 for ms in case["ms"].values())
+  # The fused variants compute the stored weights exactly (the same products); bf16 is the uncompressed kernel.
+  diff = case["max_abs_diff_vs_dequantize_dot"]
+  assert diff["fused_uint8"] == diff["fused_int4"] == 0
+  assert case["least_bytes"]["fused_int4"] < case["least_bytes"]["bf16"] / 3
+
+
 def test_train_py_run_reads_a_lora_plan():
   from benchmarks.train_py_run import summarize
   plan = ["plan for llama70b, batch 8 x 2048:", "LoRA plan: batch 8 as 1 sub-batches, 58 base layers resident",

@@ -1,0 +1,112 @@
+"""Where int4 decoding spends its time: one compressed matmul kernel against the same kernel in bf16, four ways.
+
+  python -m benchmarks.int4_matmul --out=benchmarks/results/int4_matmul_h200.json   # llama70b's kernels, one GPU
+  python -m benchmarks.int4_matmul --smoke --out=/tmp/int4_matmul_smoke.json         # tiny shapes, any machine
+
+Per kernel shape [in, out] and rows (tokens of one decode step), each timed as the median of --repeats calls:
+  bf16            x @ w, w resident in bf16: the memory-bound floor of an uncompressed decode step
+  dequantize      sljax.quant.dequantize_kernel as its own call (what generation runs once per pass), and the
+  + dot           matmul on its bf16 output: the two calls' sum is what a decode step pays per kernel today
+  fused_uint8     both in one call on the stored layout (two int4 codes a byte): does XLA keep the bf16 kernel
+                  out of HBM?
+  fused_int4      the same codes as a native int4 array (jnp.int4, which XLA may read into the matmul directly)
+Bytes are those each call must read and write at least; `gb_per_s` is them over its time, `tflop_per_s` the matmul's.
+All four products are checked against each other (`max_abs_diff_vs_dequantize_dot`).
+"""
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from benchmarks.common import define_flags, provenance, write_results
+from sljax.quant import CODES, QuantConfig, dequantize_kernel, quantize_kernel
+
+define_flags("Tiny kernels on CPU: checks every variant runs and agrees.")
+flags.DEFINE_list("rows", ["32", "256"], "Tokens per call (a decode step's rows).")
+flags.DEFINE_integer("repeats", 20, "Timed calls per variant (after one warm-up call).")
+flags.DEFINE_integer("group_size", 128, "Rows of the contraction axis sharing a scale.")
+FLAGS = flags.FLAGS
+LLAMA70B_KERNELS = {"q_proj": (8192, 8192), "up_proj": (8192, 28672), "down_proj": (28672, 8192)}
+SMOKE_KERNELS = {"up_proj": (64, 128)}
+
+
+def native_int4(packed: dict) -> dict:
+  """The stored int4 layout (two codes a byte, side by side along out) as one jnp.int4 code per value."""
+  codes = packed["codes"]
+  low, high = (codes & 0xF).astype(jnp.int8) - 8, (codes >> 4).astype(jnp.int8) - 8
+  both = jnp.stack([low, high], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+  return {"codes": both.astype(jnp.int4), "scale": packed["scale"]}
+
+
+def dequantize_int4(packed: dict, dtype) -> jax.Array:
+  codes, scale_LxNxO = packed["codes"], packed["scale"]
+  layers, rows, cols = codes.shape
+  groups = scale_LxNxO.shape[1]
+  # The arithmetic of sljax.quant.dequantize_kernel (fp32, then the compute dtype): the same weights bit for bit.
+  w = codes.astype(jnp.float32).reshape(layers, groups, rows // groups, cols) * scale_LxNxO[:, :, None, :].astype(
+      jnp.float32)
+  return w.reshape(layers, rows, cols).astype(dtype)
+
+
+def timed_ms(fn, *args) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(FLAGS.repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
+
+
+def measure(name: str, shape: tuple[int, int], rows: int) -> dict:
+  k_in, k_out = shape
+  w = (jax.random.normal(jax.random.key(0), (1, k_in, k_out), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (rows, k_in), jnp.bfloat16)
+  packed = jax.jit(lambda w: quantize_kernel(w, QuantConfig(bits=4, group_size=FLAGS.group_size)))(w)
+  native = jax.jit(native_int4)(packed)
+  dot = jax.jit(lambda x, w: x @ w[0])
+  dequantize = jax.jit(lambda p: dequantize_kernel(p, jnp.bfloat16))
+  fused_uint8 = jax.jit(lambda x, p: x @ dequantize_kernel(p, jnp.bfloat16)[0])
+  fused_int4 = jax.jit(lambda x, p: x @ dequantize_int4(p, jnp.bfloat16)[0])
+  dense = dequantize(packed)
+  want = dot(x, dense).astype(jnp.float32)
+  diff = lambda y: float(jnp.max(jnp.abs(y.astype(jnp.float32) - want)))
+  act, out = rows * k_in * 2, rows * k_out * 2
+  codes, scales = k_in * k_out // 2, packed["scale"].size * 2
+  ms = {"bf16": timed_ms(dot, x, w), "dequantize": timed_ms(dequantize, packed), "dot": timed_ms(dot, x, dense),
+        "fused_uint8": timed_ms(fused_uint8, x, packed), "fused_int4": timed_ms(fused_int4, x, native)}
+  ms["dequantize+dot"] = ms["dequantize"] + ms["dot"]
+  least_bytes = {"bf16": act + 2 * k_in * k_out + out, "dequantize": codes + scales + 2 * k_in * k_out,
+                 "dot": act + 2 * k_in * k_out + out, "fused_uint8": act + codes + scales + out,
+                 "fused_int4": act + codes + scales + out}
+  least_bytes["dequantize+dot"] = least_bytes["dequantize"] + least_bytes["dot"]
+  flop = 2 * rows * k_in * k_out
+  return {"kernel": name, "shape": [k_in, k_out], "rows": rows, "group_size": FLAGS.group_size, "ms": ms,
+          "least_bytes": least_bytes,
+          "gb_per_s": {k: least_bytes[k] / (v * 1e-3) / 1e9 for k, v in ms.items()},
+          "tflop_per_s": {k: flop / (v * 1e-3) / 1e12 for k, v in ms.items() if k != "dequantize"},
+          "max_abs_diff_vs_dequantize_dot": {"fused_uint8": diff(fused_uint8(x, packed)),
+                                             "fused_int4": diff(fused_int4(x, native)), "bf16": diff(dot(x, w))},
+          "code_max": CODES[4]}
+
+
+def main(argv):
+  del argv
+  kernels, rows = (SMOKE_KERNELS, [4]) if FLAGS.smoke else (LLAMA70B_KERNELS, [int(r) for r in FLAGS.rows])
+  if FLAGS.smoke:
+    FLAGS.repeats = 2
+  results = []
+  for name, shape in kernels.items():
+    for r in rows:
+      results.append(measure(name, shape, r))
+      ms = results[-1]["ms"]
+      print(f"{name} {shape} x {r} rows: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()), flush=True)
+  write_results(FLAGS.out, {**provenance(), "smoke": FLAGS.smoke, "results": results})
+
+
+if __name__ == "__main__":
+  app.run(main)
