@@ -410,6 +410,10 @@ SUB_BATCH_TOKENS = 16384  # tokens per sub-batch call: enough for the matmuls to
 # Device memory a GPU plan leaves unplanned: the llama70b run (benchmarks/results/lora_llama70b_h200.json) peaked
 # 1.8 GiB above its plan (the allocator's own slack, compiled calls' buffers the analysis does not see).
 GPU_MARGIN_BYTES = 4 * 2**30
+# Streamed groups' weights on the device at once, as the step paces itself (one group ahead, sljax.memory.InFlight):
+# the group whose calls may still be running (its buffers are freed once they have run), the next one, and the one
+# after it, whose copy is issued as the next is taken.
+STREAMED_IN_FLIGHT = 3
 COMPUTE_MARGIN = 2.0  # each pass's compute must be this many times its copies (as sljax.plan asks)
 
 
@@ -511,13 +515,14 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
       device = dict(fixed, **{"activations in flight": 3 * n * act, "largest call (compiled)": peak,
                               "stashed activations": 0 if on_host else stash})
       left = budget.device_bytes - sum(device.values())
-      resident = layers if left >= layers * layer else int((left - 2 * live_layers * layer) // layer)
+      in_flight = STREAMED_IN_FLIGHT * live_layers * layer
+      resident = layers if left >= layers * layer else int((left - in_flight) // layer)
       streamed = layers - resident
       host = {"streamed base layers": streamed * layer, "stashed activations": stash if on_host else 0}
       if resident < 0 or sum(host.values()) > budget.host_bytes:
         continue
       device["resident base layers"] = resident * layer
-      device["streamed base groups (2 in flight)"] = 2 * live_layers * layer if streamed else 0
+      device[f"streamed base groups ({STREAMED_IN_FLIGHT} in flight)"] = in_flight if streamed else 0
       copies = (streamed * layer / machine.copy_bytes_per_s
                 + (stash / machine.copy_to_host_bytes_per_s if on_host else 0))
       plans.append(LoraPlan(LoraEngineConfig(n, live_layers, resident, on_host), rows, device, host,

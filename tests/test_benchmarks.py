@@ -206,7 +206,7 @@ def test_hf_accelerate_baseline_smoke(tmp_path):
 
 def test_lora_benchmark_smoke_streams_part_of_the_base_and_resumes_exactly(tmp_path):
   (result,) = smoke("lora_throughput", tmp_path, f"--workdir={tmp_path / 'checkpoint'}")["results"]
-  assert 0 < result["plan"]["resident_layers"] < 4
+  assert 0 < result["plan"]["resident_layers"] < 8
   assert result["pcie_bytes_per_step"]["host_to_device"] > result["plan_host_bytes"]["streamed base layers"]
   assert result["checkpoint"]["equal"] and result["tokens_per_s"] > 0
 
