@@ -11,7 +11,8 @@ Per kernel shape [in, out] and rows (tokens of one decode step), each timed as t
                   out of HBM?
   fused_int4      the same codes as a native int4 array (jnp.int4, which XLA may read into the matmul directly)
 Bytes are those each call must read and write at least; `gb_per_s` is them over its time, `tflop_per_s` the matmul's.
-All four products are checked against each other (`max_abs_diff_vs_dequantize_dot`).
+All four products are checked against each other (`max_abs_diff_vs_dequantize_dot`). `storage`: the device bytes a
+native int4 code takes and its copy time from pinned host memory beside the stored layout's (is it packed?).
 """
 
 import statistics
@@ -94,6 +95,24 @@ def measure(name: str, shape: tuple[int, int], rows: int) -> dict:
           "code_max": CODES[4]}
 
 
+def storage(values: int) -> dict:
+  """How a native int4 array of `values` codes is held: device bytes per value (the allocator's count; None where
+  the backend keeps none) and its copy from pinned host memory, against the stored layout's uint8 of half as many."""
+  device = jax.devices()[0]
+  host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+  in_use = lambda: (device.memory_stats() or {}).get("bytes_in_use")
+  before = in_use()
+  codes = jax.block_until_ready(jnp.zeros((values,), jnp.int4))
+  after = in_use()
+  out = {"values": values, "device_bytes_per_value": None if before is None else (after - before) / values}
+  for name, x in (("int4", codes), ("uint8_pairs", jnp.zeros((values // 2,), jnp.uint8))):
+    staged = jax.block_until_ready(jax.device_put(x, host))
+    out[f"{name}_copy_ms"] = timed_ms(lambda y: jax.device_put(y, on_device), staged)
+  del codes
+  return out
+
+
 def main(argv):
   del argv
   kernels, rows = (SMOKE_KERNELS, [4]) if FLAGS.smoke else (LLAMA70B_KERNELS, [int(r) for r in FLAGS.rows])
@@ -105,7 +124,9 @@ def main(argv):
       results.append(measure(name, shape, r))
       ms = results[-1]["ms"]
       print(f"{name} {shape} x {r} rows: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()), flush=True)
-  write_results(FLAGS.out, {**provenance(), "smoke": FLAGS.smoke, "results": results})
+  held = storage(2**10 if FLAGS.smoke else 2**31)  # 2 Gi codes: 1 GiB as uint8 pairs
+  print(f"storage: {held}", flush=True)
+  write_results(FLAGS.out, {**provenance(), "smoke": FLAGS.smoke, "results": results, "storage": held})
 
 
 if __name__ == "__main__":
