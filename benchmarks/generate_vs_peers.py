@@ -8,7 +8,7 @@ batch x 32 / (prefill + decode). Per model and system the best exact (16-bit) se
 (4-bit weights; FlexGen's 4-bit KV cache too) of the runs; the ratios pair sljax's exact with each peer's exact and
 sljax's compressed with each peer's compressed. A peer setting that could not run here is recorded with its reason.
 The runs:
-  sljax       python -m benchmarks.generate_throughput --models=M [--streamed_bits=4 [--resident_bits=4]]
+  sljax       python -m benchmarks.generate_throughput --models=M [--streamed_bits=4 [--resident_bits=4]] [--batch=B]
   FlexGen     python -m benchmarks.baselines.flexgen_generate --model=opt-66b --configs=...   (OPT only)
   ZeRO-Inf.   python -m benchmarks.baselines.zero_inference_generate --models=llama70b --quant=16,4 --batches=256
 """
@@ -24,7 +24,7 @@ FLAGS = flags.FLAGS
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SLJAX = {  # model: {kind: [files, one setting each]}
-    "opt-66b": {"exact": ["generate_opt-66b_h200.json"],
+    "opt-66b": {"exact": ["generate_opt-66b_h200.json", "generate_opt-66b_batch8_h200.json"],
                 "compressed": ["generate_opt-66b_streamed_int4_h200.json", "generate_opt-66b_int4_all_h200.json"]},
     "llama70b": {"exact": ["generate_llama70b_streamed_bf16_h200.json"],
                  "compressed": ["generate_llama70b_streamed_int4_h200.json", "generate_llama70b_int4_all_h200.json"]},
