@@ -24,7 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.common import define_flags, provenance, write_results
-from sljax.quant import CODES, QuantConfig, dequantize_kernel, quantize_kernel
+from sljax.quant import CODES, QuantConfig, dequantize_kernel, quantize_kernel, unpack_int4
 
 define_flags("Tiny kernels on CPU: checks every variant runs and agrees.")
 flags.DEFINE_list("rows", ["32", "256"], "Tokens per call (a decode step's rows).")
@@ -37,20 +37,7 @@ SMOKE_KERNELS = {"up_proj": (64, 128)}
 
 def native_int4(packed: dict) -> dict:
   """The stored int4 layout (two codes a byte, side by side along out) as one jnp.int4 code per value."""
-  codes = packed["codes"]
-  low, high = (codes & 0xF).astype(jnp.int8) - 8, (codes >> 4).astype(jnp.int8) - 8
-  both = jnp.stack([low, high], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
-  return {"codes": both.astype(jnp.int4), "scale": packed["scale"]}
-
-
-def dequantize_int4(packed: dict, dtype) -> jax.Array:
-  codes, scale_LxNxO = packed["codes"], packed["scale"]
-  layers, rows, cols = codes.shape
-  groups = scale_LxNxO.shape[1]
-  # The arithmetic of sljax.quant.dequantize_kernel (fp32, then the compute dtype): the same weights bit for bit.
-  w = codes.astype(jnp.float32).reshape(layers, groups, rows // groups, cols) * scale_LxNxO[:, :, None, :].astype(
-      jnp.float32)
-  return w.reshape(layers, rows, cols).astype(dtype)
+  return {"codes": unpack_int4(packed["codes"]).astype(jnp.int4), "scale": packed["scale"]}
 
 
 def timed_ms(fn, *args) -> float:
@@ -72,7 +59,7 @@ def measure(name: str, shape: tuple[int, int], rows: int) -> dict:
   dot = jax.jit(lambda x, w: x @ w[0])
   dequantize = jax.jit(lambda p: dequantize_kernel(p, jnp.bfloat16))
   fused_uint8 = jax.jit(lambda x, p: x @ dequantize_kernel(p, jnp.bfloat16)[0])
-  fused_int4 = jax.jit(lambda x, p: x @ dequantize_int4(p, jnp.bfloat16)[0])
+  fused_int4 = jax.jit(lambda x, p: x @ dequantize_kernel(p, jnp.bfloat16)[0])  # the same arithmetic on int4 codes
   dense = dequantize(packed)
   want = dot(x, dense).astype(jnp.float32)
   diff = lambda y: float(jnp.max(jnp.abs(y.astype(jnp.float32) - want)))

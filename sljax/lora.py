@@ -365,7 +365,8 @@ class LoraEngine:
     inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
     outer, adapters, last = self.base["outer"], state["adapters"], len(self.groups) - 1
     # The host stays one group ahead of the device (and starts a step once the last one is done), so the device
-    # holds the two groups' base weights and the calls' buffers the plan counts, not those of every group dispatched.
+    # holds the streamed groups' weights (STREAMED_IN_FLIGHT) and the calls' buffers the plan counts, not those of
+    # every group dispatched.
     jax.block_until_ready(state["step"])
     pace = InFlight(1)
     # Each streamed group crosses PCIe once forward and once backward; the last group's weights serve both.

@@ -58,11 +58,17 @@ def quantize_kernel(w_LxIxO: jax.Array, cfg: QuantConfig) -> dict:
   return {"codes": codes, "scale": scale_LxNx1xO[:, :, 0, :]}
 
 
+def unpack_int4(codes: jax.Array) -> jax.Array:
+  """int4 codes stored two a byte (uint8 [..., O/2]) as one int8 code per value ([..., O])."""
+  low, high = (codes & 0xF).astype(jnp.int8) - 8, (codes >> 4).astype(jnp.int8) - 8
+  return jnp.stack([low, high], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+
+
 def dequantize_kernel(packed: dict, dtype) -> jax.Array:
+  """The kernel in `dtype` from its codes (int8; int4 two a byte, or as a native jnp.int4 array) and scales."""
   codes, scale_LxNxO = packed["codes"], packed["scale"]
-  if codes.dtype == jnp.uint8:  # int4: two codes a byte
-    low, high = (codes & 0xF).astype(jnp.int8) - 8, (codes >> 4).astype(jnp.int8) - 8
-    codes = jnp.stack([low, high], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+  if codes.dtype == jnp.uint8:
+    codes = unpack_int4(codes)
   layers, rows, cols = codes.shape
   groups = scale_LxNxO.shape[1]
   w = codes.astype(jnp.float32).reshape(layers, groups, rows // groups, cols) * scale_LxNxO[:, :, None, :].astype(
