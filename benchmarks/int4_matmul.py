@@ -5,14 +5,15 @@
 
 Per kernel shape [in, out] and rows (tokens of one decode step), each timed as the median of --repeats calls:
   bf16            x @ w, w resident in bf16: the memory-bound floor of an uncompressed decode step
-  dequantize      sljax.quant.dequantize_kernel as its own call (what generation runs once per pass), and the
-  + dot           matmul on its bf16 output: the two calls' sum is what a decode step pays per kernel today
-  fused_uint8     both in one call on the stored layout (two int4 codes a byte): does XLA keep the bf16 kernel
-                  out of HBM?
-  fused_int4      the same codes as a native int4 array (jnp.int4, which XLA may read into the matmul directly)
+  dequantize      sljax.quant.dequantize_kernel as its own call (what generation runs once per pass when several
+  + dot           sub-batches share a group), and the matmul on its bf16 output: the two calls' sum
+  fused_int4      both in one call on the stored codes, a native int4 array (what a decode pass runs when every row
+                  is in one call): XLA may read the codes straight into the matmul
+  fused_uint8     the same in one call on the layout generation stored before, two int4 codes a byte in uint8
+                  (unpacked with shifts and masks): does the native array matter?
 Bytes are those each call must read and write at least; `gb_per_s` is them over its time, `tflop_per_s` the matmul's.
-All four products are checked against each other (`max_abs_diff_vs_dequantize_dot`). `storage`: the device bytes a
-native int4 code takes and its copy time from pinned host memory beside the stored layout's (is it packed?).
+All products are checked against each other (`max_abs_diff_vs_dequantize_dot`). `storage`: the device bytes a native
+int4 code takes and its copy time from pinned host memory beside the uint8 layout's (is it packed?).
 """
 
 import statistics
@@ -24,7 +25,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.common import define_flags, provenance, write_results
-from sljax.quant import CODES, QuantConfig, dequantize_kernel, quantize_kernel, unpack_int4
+from sljax.quant import CODES, QuantConfig, dequantize_kernel, quantize_kernel
 
 define_flags("Tiny kernels on CPU: checks every variant runs and agrees.")
 flags.DEFINE_list("rows", ["32", "256"], "Tokens per call (a decode step's rows).")
@@ -35,9 +36,17 @@ LLAMA70B_KERNELS = {"q_proj": (8192, 8192), "up_proj": (8192, 28672), "down_proj
 SMOKE_KERNELS = {"up_proj": (64, 128)}
 
 
-def native_int4(packed: dict) -> dict:
-  """The stored int4 layout (two codes a byte, side by side along out) as one jnp.int4 code per value."""
-  return {"codes": unpack_int4(packed["codes"]).astype(jnp.int4), "scale": packed["scale"]}
+def uint8_pairs(packed: dict) -> dict:
+  """Native int4 codes as two a byte, side by side along out (1..15: the code + 8)."""
+  nibbles = (packed["codes"].astype(jnp.int8) + 8).astype(jnp.uint8)
+  return {"codes": nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), "scale": packed["scale"]}
+
+
+def dequantize_pairs(pairs: dict, dtype) -> jax.Array:
+  codes = pairs["codes"]
+  low, high = (codes & 0xF).astype(jnp.int8) - 8, (codes >> 4).astype(jnp.int8) - 8
+  unpacked = jnp.stack([low, high], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+  return dequantize_kernel({"codes": unpacked, "scale": pairs["scale"]}, dtype)
 
 
 def timed_ms(fn, *args) -> float:
@@ -55,18 +64,18 @@ def measure(name: str, shape: tuple[int, int], rows: int) -> dict:
   w = (jax.random.normal(jax.random.key(0), (1, k_in, k_out), jnp.float32) * 0.02).astype(jnp.bfloat16)
   x = jax.random.normal(jax.random.key(1), (rows, k_in), jnp.bfloat16)
   packed = jax.jit(lambda w: quantize_kernel(w, QuantConfig(bits=4, group_size=FLAGS.group_size)))(w)
-  native = jax.jit(native_int4)(packed)
+  pairs = jax.jit(uint8_pairs)(packed)
   dot = jax.jit(lambda x, w: x @ w[0])
   dequantize = jax.jit(lambda p: dequantize_kernel(p, jnp.bfloat16))
-  fused_uint8 = jax.jit(lambda x, p: x @ dequantize_kernel(p, jnp.bfloat16)[0])
-  fused_int4 = jax.jit(lambda x, p: x @ dequantize_kernel(p, jnp.bfloat16)[0])  # the same arithmetic on int4 codes
+  fused_int4 = jax.jit(lambda x, p: x @ dequantize_kernel(p, jnp.bfloat16)[0])
+  fused_uint8 = jax.jit(lambda x, p: x @ dequantize_pairs(p, jnp.bfloat16)[0])
   dense = dequantize(packed)
   want = dot(x, dense).astype(jnp.float32)
   diff = lambda y: float(jnp.max(jnp.abs(y.astype(jnp.float32) - want)))
   act, out = rows * k_in * 2, rows * k_out * 2
   codes, scales = k_in * k_out // 2, packed["scale"].size * 2
   ms = {"bf16": timed_ms(dot, x, w), "dequantize": timed_ms(dequantize, packed), "dot": timed_ms(dot, x, dense),
-        "fused_uint8": timed_ms(fused_uint8, x, packed), "fused_int4": timed_ms(fused_int4, x, native)}
+        "fused_int4": timed_ms(fused_int4, x, packed), "fused_uint8": timed_ms(fused_uint8, x, pairs)}
   ms["dequantize+dot"] = ms["dequantize"] + ms["dot"]
   least_bytes = {"bf16": act + 2 * k_in * k_out + out, "dequantize": codes + scales + 2 * k_in * k_out,
                  "dot": act + 2 * k_in * k_out + out, "fused_uint8": act + codes + scales + out,
@@ -77,8 +86,8 @@ def measure(name: str, shape: tuple[int, int], rows: int) -> dict:
           "least_bytes": least_bytes,
           "gb_per_s": {k: least_bytes[k] / (v * 1e-3) / 1e9 for k, v in ms.items()},
           "tflop_per_s": {k: flop / (v * 1e-3) / 1e12 for k, v in ms.items() if k != "dequantize"},
-          "max_abs_diff_vs_dequantize_dot": {"fused_uint8": diff(fused_uint8(x, packed)),
-                                             "fused_int4": diff(fused_int4(x, native)), "bf16": diff(dot(x, w))},
+          "max_abs_diff_vs_dequantize_dot": {"fused_int4": diff(fused_int4(x, packed)),
+                                             "fused_uint8": diff(fused_uint8(x, pairs)), "bf16": diff(dot(x, w))},
           "code_max": CODES[4]}
 
 

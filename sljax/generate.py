@@ -8,14 +8,18 @@ One generation (`OffloadedGenerator.generate`), top to bottom:
     for each group g of `live_layers` layers:
       W_g on the device: resident groups stay there (spread among the others, see layer_groups); the others come
           from pinned host, prefetched one group ahead; compressed kernels (int8 / int4) are dequantized once here
+          when several sub-batches share them, else inside the one call below
       for each sub-batch s:  its cache for g, prefetched one sub-batch ahead from pinned host (or kept on the device)
         h[s], cache = group g over sub-batch s          (the cache is donated: updated in place)
         cache -> pinned host
     last-position logits of every sub-batch -> sample the next token of every row
 
 A streamed group's weights cross PCIe once per pass, whatever N is; a sub-batch's cache for a group is one contiguous
-[live, b, T, K, H] array for k and one for v, each crossing in one copy. The loop waits for the device only to bound
-how far it runs ahead (IN_FLIGHT), since every copy it issues allocates its destination at once.
+[live, b, T, K, H] array for k and one for v, each crossing in one copy. The sub-batches exist for the prompt's pass,
+whose temporaries grow with its rows: when the cache stays on the device, the sub-batches' caches are joined before
+the first decode pass (`_join_rows`), which then runs all B rows in one call per group, reading each group's weights
+once per pass instead of N times. The loop waits for the device only to bound how far it runs ahead (IN_FLIGHT),
+since every copy it issues allocates its destination at once.
 
 `sljax.generate_plan.plan` picks the batch, sub-batches, resident layers and the KV cache's place for given memory
 budgets; `generate_on_device` is the plain loop that tests compare to.
@@ -117,17 +121,24 @@ def _embed(model, outer, tokens_BxS, offset, start_B, parts: int):
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(3,))
 def _layers(model, stacked, h_BxSxD, cache, offset, start_B, max_len: int):
-  """A group of layers over one sub-batch through its cache; cache None starts an empty one (the prompt's pass)."""
+  """A group of layers over one sub-batch through its cache; cache None starts an empty one (the prompt's pass).
+  Compressed kernels are dequantized here, inside the call, where XLA can read the codes straight into the matmuls."""
   if cache is None:
     cache = model.init_cache(jax.tree.leaves(stacked)[0].shape[0], h_BxSxD.shape[0], max_len)
-  return model.layers_cached(stacked, h_BxSxD, cache, offset, start_B)
+  return model.layers_cached(dequantize_layers(stacked, model.cfg.dtype), h_BxSxD, cache, offset, start_B)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
 def _dequantize(stacked, dtype):
-  """A compressed group's kernels in the compute dtype (only the codes cross PCIe), made once per pass and shared by
-  every sub-batch's call: dequantizing inside each call would repeat it per sub-batch."""
+  """A compressed group's kernels in the compute dtype, made once per pass when several sub-batches' calls share
+  them: dequantizing inside each of those calls would repeat it per sub-batch."""
   return dequantize_layers(stacked, dtype)
+
+
+@jax.jit
+def _join_rows(parts):
+  """One group's sub-batch caches as one cache of all their rows, in order."""
+  return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *parts)  # [L, B, T, K, H]
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -338,15 +349,24 @@ class _OffloadedPasses:
 
   def __call__(self, tokens_BxS, offset) -> jax.Array:
     gen, outer = self.gen, self.weights["outer"]
+    if offset and len(self.starts) > 1 and not gen.offload.kv_on_host:
+      self._join_rows()
     hs = list(_embed(gen.model, outer, tokens_BxS, offset, self.start_B, len(self.starts)))
     slots = [(g, s) for g in range(len(gen.groups)) for s in range(len(hs))]
     cache_stream = prefetch((self.caches[g][s] for g, s in slots), gen.fetch_cache)  # read lazily: frees as it goes
     for (g, s), cache in zip(slots, cache_stream):
       if s == 0:
         weights = self.weights["groups"][g] if gen.resident[g] else next(self.weight_stream)
-        if gen._bits(g) < 16:
+        if gen._bits(g) < 16 and len(hs) > 1:
           weights = _dequantize(weights, gen.model.cfg.dtype)
       hs[s], cache = _layers(gen.model, weights, hs[s], cache, offset, self.starts[s], self.max_len)
       self.caches[g][s] = gen.stash_cache(cache)
       self.in_flight.add(hs[s])
     return _last_logits(gen.model, outer, hs)
+
+  def _join_rows(self):
+    """Decoding from here on runs every row in one call per group (the module docstring says why). Group by group,
+    so that only one group's cache is ever held twice."""
+    for g in range(len(self.caches)):
+      self.caches[g] = [_join_rows(self.caches[g])]
+    self.starts = [self.start_B]

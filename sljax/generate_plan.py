@@ -140,7 +140,8 @@ def _stored(model, offload: OffloadConfig) -> tuple[int, int]:
 
 
 def footprint(model, offload: OffloadConfig, batch: int, prompt_len: int, max_len: int) -> tuple[int, int]:
-  """(device bytes, pinned host bytes) that a generation keeps at its peak (the prompt's pass); `model` as in
+  """(device bytes, pinned host bytes) that a generation keeps at its peak (the prompt's pass: a decode pass's
+  temporaries are one token's, and joining the sub-batches' caches for it holds one group's twice); `model` as in
   generation_sizes."""
   cfg = generation_sizes(model)
   layer, outer, kv_token = _sizes(model)
@@ -188,15 +189,17 @@ def pass_cost(model, offload: OffloadConfig, batch: int, seq: int, max_len: int,
   flops = batch * seq * cfg.num_layers * (2 * cfg.layer_params + 4 * max_len * cfg.hidden)
   flops += batch * cfg.head_flops_per_token
   calls = len(layer_groups(cfg.num_layers, offload.resident_layers, offload.live_layers)[0])
-  # Device memory traffic: every sub-batch reads every layer's weights and the caches; a compressed layer is first
-  # dequantized once (its codes read, its kernels written).
+  # Calls per group: one per sub-batch, but decoding with the cache on the device joins the sub-batches (generate's
+  # _join_rows). Device memory traffic: every call reads every layer's weights and the caches; a compressed layer is
+  # also dequantized once (its codes read, its kernels written).
+  parts = offload.sub_batches if prompt or offload.kv_on_host else 1
   compressed = sum(layers * (stored + layer) for layers, bits, stored in (
       (streamed, offload.streamed_bits, streamed_layer), (offload.resident_layers, offload.resident_bits, resident_layer))
       if bits < 16)
   seconds = max(copied_in / machine.copy_bytes_per_s, cache_out / machine.copy_to_host_bytes_per_s,
                 (copied_in + cache_out) / machine.copy_both_bytes_per_s, flops / machine.generation_flops,
-                (offload.sub_batches * cfg.num_layers * layer + outer + cache + compressed) / machine.memory_bytes_per_s,
-                (calls * offload.sub_batches + 3) * machine.dispatch_seconds)
+                (parts * cfg.num_layers * layer + outer + cache + compressed) / machine.memory_bytes_per_s,
+                (calls * parts + 3) * machine.dispatch_seconds)
   return PassCost(copied_in, cache_out, seconds)
 
 

@@ -173,11 +173,17 @@ def _memory_kind(x) -> str:
 
 def _bytes_on_devices(x, sharding: NamedSharding) -> int:
   """Bytes of x's shards over all devices of the sharding (replicas counted once each)."""
-  return int(np.prod(sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize * sharding.mesh.size
+  return _stored_bytes(int(np.prod(sharding.shard_shape(x.shape))), x.dtype) * sharding.mesh.size
+
+
+def _stored_bytes(size: int, dtype) -> int:
+  """Bytes of `size` values as XLA stores them: int4 two to a byte (PRNG keys: their dtype's own itemsize)."""
+  extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+  return -(-size * (8 * dtype.itemsize if extended else jax.dtypes.itemsize_bits(dtype)) // 8)
 
 
 def tree_bytes(tree) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  return sum(_stored_bytes(x.size, x.dtype) for x in jax.tree.leaves(tree))
 
 
 def prefetch(items: Iterable, fetch: Callable) -> Iterator:

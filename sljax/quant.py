@@ -2,8 +2,9 @@
 
 Each matmul kernel of a layer stack, `[L, in, out]`, is split along its contraction axis (`in`) into groups of
 `group_size` consecutive rows; every (group, output column) pair gets one float16 scale, the group's largest |w| over
-the largest code (127 for int8, 7 for int4), and the codes are round(w / scale). int4 codes are stored two to a byte,
-side by side along `out`. Leaves that are not kernels (norm scales, biases) stay as they are: they are a few KB per
+the largest code (127 for int8, 7 for int4), and the codes are round(w / scale). int4 codes are a native `jnp.int4`
+array, which XLA stores two to a byte (on the device and in pinned host memory alike) and can read straight into a
+matmul: dequantized inside the call that multiplies by it, the bf16 kernel need not be written out. Leaves that are not kernels (norm scales, biases) stay as they are: they are a few KB per
 layer and the models apply them in full precision.
 
 Bytes per kernel value: int8 1 + 2/group_size, int4 0.5 + 2/group_size (bf16: 2). Error per value: at most half a
@@ -42,7 +43,7 @@ def group_rows(rows: int, group_size: int) -> int:
 
 
 def quantize_kernel(w_LxIxO: jax.Array, cfg: QuantConfig) -> dict:
-  """{"codes": int8 [L, I, O] (int4: uint8 [L, I, O/2]), "scale": float16 [L, I/G, O]}."""
+  """{"codes": int8 or int4 [L, I, O], "scale": float16 [L, I/G, O]}."""
   layers, rows, cols = w_LxIxO.shape
   group = group_rows(rows, cfg.group_size)
   code = CODES[cfg.bits]
@@ -51,24 +52,13 @@ def quantize_kernel(w_LxIxO: jax.Array, cfg: QuantConfig) -> dict:
   safe = jnp.where(scale_LxNx1xO > 0, scale_LxNx1xO, 1).astype(jnp.float32)
   codes = jnp.clip(jnp.round(w_LxNxGxO / safe), -code, code).astype(jnp.int8).reshape(layers, rows, cols)
   if cfg.bits == 4:
-    if cols % 2:
-      raise ValueError(f"int4 packs output columns in pairs; this kernel has {cols}")
-    nibbles = (codes + 8).astype(jnp.uint8)  # 1..15
-    codes = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    codes = codes.astype(jnp.int4)
   return {"codes": codes, "scale": scale_LxNx1xO[:, :, 0, :]}
 
 
-def unpack_int4(codes: jax.Array) -> jax.Array:
-  """int4 codes stored two a byte (uint8 [..., O/2]) as one int8 code per value ([..., O])."""
-  low, high = (codes & 0xF).astype(jnp.int8) - 8, (codes >> 4).astype(jnp.int8) - 8
-  return jnp.stack([low, high], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
-
-
 def dequantize_kernel(packed: dict, dtype) -> jax.Array:
-  """The kernel in `dtype` from its codes (int8; int4 two a byte, or as a native jnp.int4 array) and scales."""
+  """The kernel in `dtype` from its codes and scales (in fp32, so that every product is exact before the cast)."""
   codes, scale_LxNxO = packed["codes"], packed["scale"]
-  if codes.dtype == jnp.uint8:
-    codes = unpack_int4(codes)
   layers, rows, cols = codes.shape
   groups = scale_LxNxO.shape[1]
   w = codes.astype(jnp.float32).reshape(layers, groups, rows // groups, cols) * scale_LxNxO[:, :, None, :].astype(
@@ -87,6 +77,7 @@ def quantize_layers(stacked: dict, cfg: QuantConfig) -> dict:
 
 
 def dequantize_layers(stacked: dict, dtype) -> dict:
-  """The inverse, in `dtype`, for use inside the jitted layer step (so only the codes cross PCIe)."""
+  """The inverse, in `dtype`, for use inside a jitted call (so only the codes cross PCIe); a stack with nothing
+  compressed comes back as it is."""
   return jax.tree.map(lambda node: dequantize_kernel(node, dtype) if _is_packed(node) else node, stacked,
                       is_leaf=_is_packed)

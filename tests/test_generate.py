@@ -1,5 +1,6 @@
 """Offloaded generation must equal the plain all-on-device loop, and its prompt logits Hugging Face's."""
 
+import collections
 import functools
 import json
 import os
@@ -372,6 +373,36 @@ def test_compressed_generation_is_the_exact_generation_of_the_dequantized_weight
   plain = exact.load({"outer": params["outer"], "layers": jax.tree.map(lambda *xs: np.concatenate(xs), *dequantized)})
   np.testing.assert_array_equal(packed.prompt_logits(weights, prompts), exact.prompt_logits(plain, prompts))
   assert len(calls) == len(packed.groups)  # once per group for the pass, not once per sub-batch
+
+
+@pytest.mark.parametrize("streamed_bits", [16, 4])
+def test_decoding_with_the_cache_on_the_device_runs_all_rows_in_one_call_per_group(monkeypatch, streamed_bits):
+  """The prompt's pass runs in sub-batches; then their caches are joined and each decode pass makes one call per
+  group for every row, compressed kernels dequantized inside it, with the logits of the cache kept per sub-batch."""
+  model, params, prompts = _setup("llama")
+  calls = collections.Counter()
+  for name in ("_dequantize", "_layers"):
+    monkeypatch.setattr(gen, name, lambda *args, name=name, real=getattr(gen, name): calls.update([name]) or
+                        real(*args))
+  layout = dict(sub_batches=2, live_layers=1, resident_layers=2, streamed_bits=streamed_bits, weight_group_size=16)
+  joined, apart = (OffloadedGenerator(model, OffloadConfig(**layout, kv_on_host=on_host)) for on_host in (False, True))
+  weights = joined.load(params)
+  tokens_BxP, start_B = gen.left_pad(prompts, pad_token=0)
+  logits = {}
+  for generator in (joined, apart):
+    passes = gen._OffloadedPasses(generator, weights, start_B, max_len=12)
+    first = passes(tokens_BxP, 0)
+    calls.clear()
+    logits[generator] = [first, passes(np.argmax(first, axis=-1)[:, None].astype(np.int32), 9)]
+    if generator is joined:
+      assert calls == {"_layers": len(generator.groups)}  # one call per group, no separate dequantize
+      assert [len(parts) for parts in passes.caches] == [1] * len(generator.groups)
+      assert passes.caches[0][0][0].shape == (1, 4, 12, 2, 8)  # [L, B, T, K, H]: all four rows
+    else:
+      assert calls["_layers"] == 2 * len(generator.groups)
+      assert calls["_dequantize"] == (4 - 2 if streamed_bits < 16 else 0)  # the streamed groups, once each
+  for a, b in zip(logits[joined], logits[apart]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
 def test_compressed_init_equals_compressed_load_of_model_init():
