@@ -368,6 +368,8 @@ def run_worker(job: Job):
       if kv_offload and not cuda:
         entry["status"] = "not run: transformers' offloaded cache needs CUDA streams"
         continue
+      if cuda:
+        torch.cuda.empty_cache()  # what the last configuration left in torch's cache is free for this one
       if cuda and not kv_offload and kv_cache_bytes(cfg, batch, length) > torch.cuda.mem_get_info()[0]:
         entry["status"] = (f"infeasible: device memory (the KV cache, {kv_cache_bytes(cfg, batch, length) / GIB:.1f} "
                            f"GiB, exceeds the GPU's {torch.cuda.mem_get_info()[0] / GIB:.1f} GiB free)")
