@@ -10,7 +10,7 @@ sljax's compressed with each peer's compressed. A peer setting that could not ru
 The runs:
   sljax       python -m benchmarks.generate_throughput --models=M [--streamed_bits=4 [--resident_bits=4]] [--batch=B]
   FlexGen     python -m benchmarks.baselines.flexgen_generate --model=opt-66b --configs=...   (OPT only)
-  ZeRO-Inf.   python -m benchmarks.baselines.zero_inference_generate --models=llama70b --quant=16,4 --batches=256
+  ZeRO-Inf.   python -m benchmarks.baselines.zero_inference_generate --models=M --quant=16,4 --batches=B
 """
 
 import json
@@ -30,12 +30,15 @@ SLJAX = {  # model: {kind: [files, one setting each]}
                  "compressed": ["generate_llama70b_streamed_int4_h200.json", "generate_llama70b_int4_all_h200.json"]},
 }
 FLEXGEN = {"opt-66b": "generate_opt-66b_flexgen_h200.json"}
-ZERO_INFERENCE = {"llama70b": "generate_llama70b_zero_inference_h200.json"}
-NOT_RUN = {  # (model, peer): why there is no file
-    ("llama70b", "flexgen"): "FlexGen runs OPT models only",
-    ("opt-66b", "zero_inference"): "not run: its exact setting is infeasible here (ZeRO-3 keeps all 132 GB of fp16 "
-                                   "weights in pinned host memory, more than the 128 GiB of RAM); its int4 setting "
-                                   "has not run yet",
+ZERO_INFERENCE = {  # one run per file, each a part of the batch sweep
+    "llama70b": ["generate_llama70b_zero_inference_h200.json", "generate_llama70b_zero_inference_batch384_h200.json",
+                 "generate_llama70b_zero_inference_batch512_h200.json"],
+    "opt-66b": ["generate_opt-66b_zero_inference_h200.json", "generate_opt-66b_zero_inference_batch96_h200.json"],
+}
+NOT_RUN = {("llama70b", "flexgen"): "FlexGen runs OPT models only"}  # (model, peer): why there is no file
+UNRUN_SETTINGS = {  # (model, peer, kind): why no setting of that kind ran
+    ("opt-66b", "zero_inference", "exact"): "infeasible here: ZeRO-3 keeps all 132 GB of fp16 weights in pinned host "
+                                            "memory, more than the 128 GiB of RAM",
 }
 # The comparison's keys, and the run files' names for them.
 FIGURES = {"generated_tokens_per_s": "generation_tokens_per_s", "prefill_tokens_per_s": "prefill_tokens_per_s",
@@ -77,15 +80,18 @@ def flexgen(model: str) -> dict:
 
 
 def zero_inference(model: str) -> dict:
-  name = ZERO_INFERENCE[model]
-  (run,) = [r for r in _load(name)["results"] if r["model"] == model]
   settings = {"exact": [], "compressed": []}
-  for config in run["sweep"]:
-    kind = "exact" if config["weight_bits"] == 16 else "compressed"
-    settings[kind].append({
-        "setting": f"{config['weight_bits']}-bit weights, batch {config['batch']}, KV cache "
-                   f"{'offloaded' if config['kv_offload'] else 'on the GPU'}",
-        "status": config["status"], "file": name, **{key: config.get(source) for key, source in FIGURES.items()}})
+  for name in ZERO_INFERENCE[model]:
+    (run,) = [r for r in _load(name)["results"] if r["model"] == model]
+    for config in run["sweep"]:
+      kind = "exact" if config["weight_bits"] == 16 else "compressed"
+      settings[kind].append({
+          "setting": f"{config['weight_bits']}-bit weights, batch {config['batch']}, KV cache "
+                     f"{'offloaded' if config['kv_offload'] else 'on the GPU'}",
+          "status": config["status"], "file": name, **{key: config.get(source) for key, source in FIGURES.items()}})
+  for kind in settings:
+    if (model, "zero_inference", kind) in UNRUN_SETTINGS:
+      settings[kind].append({"setting": "16-bit weights", "status": UNRUN_SETTINGS[(model, "zero_inference", kind)]})
   return settings
 
 

@@ -99,8 +99,8 @@ def generate_int4() -> str:
     (run,) = _load(name)["results"]
     layers, offload = run["config"]["model"]["num_layers"], run["config"]["plan"]["offload"]
     resident, bits = offload["resident_layers"], offload.get("streamed_bits", 16)
-    layout = (f"{resident} of {layers} layers resident, {layers - resident} streamed" + (f" as int{bits}" if bits < 16
-              else "") + f", {offload['sub_batches']} sub-batches")
+    layout = (f"batch {run['batch']}: {resident} of {layers} layers resident, {layers - resident} streamed" +
+              (f" as int{bits}" if bits < 16 else "") + f", {offload['sub_batches']} sub-batches")
     rows.append([kernels, layout, f"{run['prefill_tokens_per_s']:,.0f}", f"{run['decode_tokens_per_s']:,.1f}",
                  f"{run['decode_pass_seconds']:.3f}", f"{run['decode_io_seconds_per_pass_at_measured_bandwidth']:.3f}",
                  f"{run['generation_tokens_per_s']:,.1f}"])
