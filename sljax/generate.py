@@ -74,7 +74,7 @@ class OffloadConfig:
   resident_layers: int = 0  # layers whose weights stay on the device (spread among the others, which stream)
   kv_on_host: bool = True  # each sub-batch's KV cache waits in pinned host memory between passes
   # Streamed (and resident) layers' matmul kernels as int8 / int4 codes with a scale per group of `weight_group_size`
-  # rows (sljax.quant), dequantized on the device once per pass for all sub-batches; 16: the compute dtype, exact.
+  # rows (sljax.quant), dequantized on the device (see the module docstring); 16: the compute dtype, exact.
   streamed_bits: int = 16
   resident_bits: int = 16
   weight_group_size: int = 128

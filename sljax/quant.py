@@ -4,8 +4,8 @@ Each matmul kernel of a layer stack, `[L, in, out]`, is split along its contract
 `group_size` consecutive rows; every (group, output column) pair gets one float16 scale, the group's largest |w| over
 the largest code (127 for int8, 7 for int4), and the codes are round(w / scale). int4 codes are a native `jnp.int4`
 array, which XLA stores two to a byte (on the device and in pinned host memory alike) and can read straight into a
-matmul: dequantized inside the call that multiplies by it, the bf16 kernel need not be written out. Leaves that are not kernels (norm scales, biases) stay as they are: they are a few KB per
-layer and the models apply them in full precision.
+matmul when the call that multiplies by it dequantizes it. Leaves that are not kernels (norm scales, biases) stay as
+they are: they are a few KB per layer and the models apply them in full precision.
 
 Bytes per kernel value: int8 1 + 2/group_size, int4 0.5 + 2/group_size (bf16: 2). Error per value: at most half a
 code step, |w - dequantize(quantize(w))| <= max|group| / (2 * code), plus the float16 rounding of the scale.
