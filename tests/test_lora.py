@@ -19,7 +19,7 @@ from sljax.lora import (LoraConfig, LoraEngine, LoraEngineConfig, LoraModel, Mer
 from sljax.machines import GIB, H200, Budget
 from sljax.memory import HOST, InFlight
 from sljax.sizes import model_sizes
-from tests.test_engine import make_batch, rel_error
+from tests.test_engine import _flat, make_batch, rel_error
 
 SHAPES = {  # few shapes, so examples reuse compiled calls; values, placement, rank scale and optimizer vary freely
     "llama": dict(family="llama", num_heads=4, num_kv_heads=2, hidden_size=32, intermediate_size=40, num_layers=4),
@@ -104,9 +104,12 @@ def test_engine_lora_steps_equal_plain_lora_steps_and_leave_the_base_alone(case)
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
   assert rel_error(engine.adapters(state), want_adapters) <= 1e-5
   if optimizer_name == "sgd" and not clip:  # the update is exactly -0.1 x the gradients
-    got = jax.tree.map(np.subtract, adapters, engine.adapters(state))
-    want = jax.tree.map(np.subtract, adapters, want_adapters)
-    assert rel_error(got, want) <= 1e-5
+    got = _flat(jax.tree.map(np.subtract, adapters, engine.adapters(state)))
+    want = _flat(jax.tree.map(np.subtract, adapters, want_adapters))
+    # Read back from fp32 adapters ~500x its size, the update carries each side's rounding of them (up to half a
+    # spacing per value), which alone can exceed 1e-5 of it.
+    rounding = np.linalg.norm(np.spacing(_flat(want_adapters).astype(np.float32)))
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want) + rounding
   assert int(state["step"]) == 2
   jax.tree.map(np.testing.assert_array_equal, engine.base_params(), base)  # bit for bit
   for g, group in enumerate(engine.base["groups"]):
