@@ -13,7 +13,10 @@ Per kernel shape [in, out] and rows (tokens of one decode step), each timed as t
                   (unpacked with shifts and masks): does the native array matter?
 Bytes are those each call must read and write at least; `gb_per_s` is them over its time, `tflop_per_s` the matmul's.
 All products are checked against each other (`max_abs_diff_vs_dequantize_dot`). `storage`: the device bytes a native
-int4 code takes and its copy time from pinned host memory beside the uint8 layout's (is it packed?).
+int4 code takes and its copy time from pinned host memory beside the uint8 layout's (is it packed?). `whole_layer`:
+one llama70b layer dequantized as generation's prompt pass does it (`sljax.generate._dequantize`, every kernel of the
+layer in one call), from native int4 and from the uint8 layout, beside the sum of its kernels' own calls: does one
+call for the whole layer cost what its kernels cost alone?
 """
 
 import statistics
@@ -24,8 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import define_flags, provenance, write_results
-from sljax.quant import CODES, QuantConfig, dequantize_kernel, quantize_kernel
+from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, write_results
+from models.presets import build, get_config
+from sljax.generate import _dequantize
+from sljax.memory import tree_bytes
+from sljax.quant import CODES, QuantConfig, dequantize_kernel, quantize_kernel, quantize_layers
 
 define_flags("Tiny kernels on CPU: checks every variant runs and agrees.")
 flags.DEFINE_list("rows", ["32", "256"], "Tokens per call (a decode step's rows).")
@@ -109,6 +115,27 @@ def storage(values: int) -> dict:
   return out
 
 
+def whole_layer(smoke: bool) -> dict:
+  cfg = get_config("llama70b", dict(GENERATION_SMOKE["llama"] if smoke else {}, dtype="bfloat16",
+                                    param_dtype="bfloat16"))
+  model = build(cfg)
+  layer = jax.jit(lambda key: jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                                           model.init_layers(jax.random.split(key, 1))))(jax.random.key(2))
+  native = jax.jit(lambda tree: quantize_layers(tree, QuantConfig(bits=4, group_size=FLAGS.group_size)))(layer)
+  del layer
+  kernels = [node for node in jax.tree.leaves(native, is_leaf=lambda n: isinstance(n, dict) and "codes" in n)
+             if isinstance(node, dict)]
+  pairs = jax.tree.map(lambda n: uint8_pairs(n) if isinstance(n, dict) else n, native,
+                       is_leaf=lambda n: isinstance(n, dict) and "codes" in n)
+  one = jax.jit(lambda p: dequantize_kernel(p, jnp.bfloat16))
+  ms = {"one_call_int4": timed_ms(lambda t: _dequantize(t, jnp.bfloat16), native),
+        "one_call_uint8": timed_ms(jax.jit(lambda t: jax.tree.map(
+            lambda n: dequantize_pairs(n, jnp.bfloat16) if isinstance(n, dict) else n, t,
+            is_leaf=lambda n: isinstance(n, dict) and "codes" in n)), pairs),
+        "kernel_calls_int4": sum(timed_ms(one, kernel) for kernel in kernels)}
+  return {"kernels": len(kernels), "codes_bytes": sum(tree_bytes(k["codes"]) for k in kernels), "ms": ms}
+
+
 def main(argv):
   del argv
   kernels, rows = (SMOKE_KERNELS, [4]) if FLAGS.smoke else (LLAMA70B_KERNELS, [int(r) for r in FLAGS.rows])
@@ -122,7 +149,10 @@ def main(argv):
       print(f"{name} {shape} x {r} rows: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()), flush=True)
   held = storage(2**10 if FLAGS.smoke else 2**31)  # 2 Gi codes: 1 GiB as uint8 pairs
   print(f"storage: {held}", flush=True)
-  write_results(FLAGS.out, {**provenance(), "smoke": FLAGS.smoke, "results": results, "storage": held})
+  layer = whole_layer(FLAGS.smoke)
+  print(f"whole layer: {layer}", flush=True)
+  write_results(FLAGS.out, {**provenance(), "smoke": FLAGS.smoke, "results": results, "storage": held,
+                            "whole_layer": layer})
 
 
 if __name__ == "__main__":
