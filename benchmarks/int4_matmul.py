@@ -123,15 +123,14 @@ def whole_layer(smoke: bool) -> dict:
                                            model.init_layers(jax.random.split(key, 1))))(jax.random.key(2))
   native = jax.jit(lambda tree: quantize_layers(tree, QuantConfig(bits=4, group_size=FLAGS.group_size)))(layer)
   del layer
-  kernels = [node for node in jax.tree.leaves(native, is_leaf=lambda n: isinstance(n, dict) and "codes" in n)
-             if isinstance(node, dict)]
-  pairs = jax.tree.map(lambda n: uint8_pairs(n) if isinstance(n, dict) else n, native,
-                       is_leaf=lambda n: isinstance(n, dict) and "codes" in n)
+  is_kernel = lambda node: isinstance(node, dict) and set(node) == {"codes", "scale"}
+  on_kernels = lambda fn, tree: jax.tree.map(lambda n: fn(n) if is_kernel(n) else n, tree, is_leaf=is_kernel)
+  kernels = [node for node in jax.tree.leaves(native, is_leaf=is_kernel) if is_kernel(node)]
+  pairs = on_kernels(uint8_pairs, native)
   one = jax.jit(lambda p: dequantize_kernel(p, jnp.bfloat16))
   ms = {"one_call_int4": timed_ms(lambda t: _dequantize(t, jnp.bfloat16), native),
-        "one_call_uint8": timed_ms(jax.jit(lambda t: jax.tree.map(
-            lambda n: dequantize_pairs(n, jnp.bfloat16) if isinstance(n, dict) else n, t,
-            is_leaf=lambda n: isinstance(n, dict) and "codes" in n)), pairs),
+        "one_call_uint8": timed_ms(jax.jit(lambda t: on_kernels(lambda n: dequantize_pairs(n, jnp.bfloat16), t)),
+                                   pairs),
         "kernel_calls_int4": sum(timed_ms(one, kernel) for kernel in kernels)}
   return {"kernels": len(kernels), "codes_bytes": sum(tree_bytes(k["codes"]) for k in kernels), "ms": ms}
 
