@@ -8,7 +8,8 @@ One generation (`OffloadedGenerator.generate`), top to bottom:
     for each group g of `live_layers` layers:
       W_g on the device: resident groups stay there (spread among the others, see layer_groups); the others come
           from pinned host, prefetched one group ahead; compressed kernels (int8 / int4) are dequantized once here
-          when several sub-batches share them, else inside the one call below
+          for the prompt's pass and whenever several sub-batches share them, else (a decode pass of one call per
+          group) inside that call
       for each sub-batch s:  its cache for g, prefetched one sub-batch ahead from pinned host (or kept on the device)
         h[s], cache = group g over sub-batch s          (the cache is donated: updated in place)
         cache -> pinned host
@@ -357,7 +358,10 @@ class _OffloadedPasses:
     for (g, s), cache in zip(slots, cache_stream):
       if s == 0:
         weights = self.weights["groups"][g] if gen.resident[g] else next(self.weight_stream)
-        if gen._bits(g) < 16 and len(hs) > 1:
+        # One dequantize call for the group's calls, but a decode pass with one call per group dequantizes inside
+        # it (benchmarks.int4_matmul: fused, a decode step's matmul takes about half the time); the prompt's pass,
+        # compute-bound, keeps the separate call.
+        if gen._bits(g) < 16 and (len(hs) > 1 or tokens_BxS.shape[1] > 1):
           weights = _dequantize(weights, gen.model.cfg.dtype)
       hs[s], cache = _layers(gen.model, weights, hs[s], cache, offset, self.starts[s], self.max_len)
       self.caches[g][s] = gen.stash_cache(cache)

@@ -373,6 +373,10 @@ def test_compressed_generation_is_the_exact_generation_of_the_dequantized_weight
   plain = exact.load({"outer": params["outer"], "layers": jax.tree.map(lambda *xs: np.concatenate(xs), *dequantized)})
   np.testing.assert_array_equal(packed.prompt_logits(weights, prompts), exact.prompt_logits(plain, prompts))
   assert len(calls) == len(packed.groups)  # once per group for the pass, not once per sub-batch
+  calls.clear()
+  one_part = OffloadedGenerator(model, OffloadConfig(**dict(layout, sub_batches=1)))
+  np.testing.assert_array_equal(one_part.prompt_logits(weights, prompts), exact.prompt_logits(plain, prompts))
+  assert len(calls) == len(packed.groups)  # a prompt's pass of one call per group dequantizes apart too
 
 
 @pytest.mark.parametrize("streamed_bits", [16, 4])
