@@ -17,7 +17,7 @@ import optax
 from models.presets import build, get_config
 from sljax.machines import GIB, REFERENCE, Budget, Machine, rates_of
 from sljax.memory import tree_bytes
-from sljax.schedule import Engine, EngineConfig, group_bounds, in_flight_bytes, state_on_device
+from sljax.schedule import Engine, EngineConfig, group_bounds, in_flight_bytes, retired_host_bytes, state_on_device
 from sljax.sizes import model_sizes
 
 # A step is compute-bound "with a margin" when its predicted compute is at least this many times its copies: on the
@@ -308,6 +308,11 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   if parked:
     device_bytes["parked grads (clipping)"] = device_layers * parked_per_layer
     host_bytes["parked grads (clipping)"] = host_layers * parked_per_layer
+  layers = [b - a for a, b in bounds]
+  host_bytes["replaced, awaiting their free"] = retired_host_bytes(
+      state_on_device(groups, device_groups), [n * state_per_layer for n in layers],
+      [n * sizes.layer_weight_bytes // fsdp if sizes.separate_weights else 0 for n in layers],
+      [n * parked_per_layer for n in layers])
   if sum(host_bytes.values()) > budget.host_bytes:
     needed = sum(host_bytes.values()) + sum(device_bytes.values())
     raise ValueError(

@@ -133,6 +133,53 @@ def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: in
   }
 
 
+def retired_host_bytes(on_device: list[bool], state: list[int], weights: list[int], parked: list[int]) -> int:
+  """The most pinned host bytes that replaced host buffers still hold while they wait RETIRE_LAG retirements to be
+  freed (`Engine._retire`), beyond each group's one copy: a retired buffer counts once its replacement exists. Walks
+  the retirements and replacements of a steady `Engine.step` in their order, over two steps (the lag carries over).
+  Per group g: `state` its master weights + optimizer state, `weights` its compute copy (0 where it keeps none),
+  `parked` its parked gradient (0 without clipping). A device group's retirements hold no host bytes, but they count
+  towards the lag."""
+  groups, last = len(on_device), len(on_device) - 1
+  sizes = {"state": state, "weights": weights, "parked": parked}
+  events = []  # ("retire", parts) or ("replace", parts); a part is (what, group)
+  retire = lambda *parts: events.append(("retire", [p for p in parts if not on_device[p[1]]]))
+  replace = lambda *parts: events.append(("replace", parts))
+  if not any(parked):
+    # The last group's update brings its state in; then each group's update, issued behind the next group's first
+    # backward call, retires the old compute copy and makes the new state, and that next group's state comes in.
+    retire(("state", last))
+    for g in range(last, -1, -1):
+      retire(("weights", g))
+      replace(("state", g), ("weights", g))
+      if g:
+        retire(("state", g - 1))
+  else:
+    # The forward brings each group's state and parked gradient in STATE_LEAD groups ahead (and one further, as the
+    # weight stream fetches one item ahead); each group's update, before its forward, retires its old compute copy
+    # and makes the new state. The backward parks the new gradients.
+    taken = 0
+    for g in range(groups + 1):
+      while taken < min(g + STATE_LEAD, groups):
+        retire(("state", taken), ("parked", taken))
+        taken += 1
+      if g:
+        retire(("weights", g - 1))
+        replace(("state", g - 1), ("weights", g - 1))
+    for g in range(last, -1, -1):
+      replace(("parked", g))
+  alive, most = collections.deque(maxlen=RETIRE_LAG), 0  # retired entries: {part: replaced yet}
+  for step, (kind, parts) in enumerate(events * 2):
+    if kind == "retire":
+      alive.append(dict.fromkeys(parts, False))
+    else:
+      for entry in alive:
+        entry.update({part: True for part in parts if part in entry})
+    if step >= len(events):
+      most = max(most, sum(sizes[what][g] for entry in alive for (what, g), done in entry.items() if done))
+  return most
+
+
 def _alive(refs: list) -> list:
   """The arrays behind weak references that are still held and not deleted."""
   return [x for x in (ref() for ref in refs) if x is not None and not x.is_deleted()]

@@ -1,6 +1,7 @@
 """The tuner: its placement must fit its budgets, its byte counts must be what the engine moves, bad budgets fail."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -218,13 +219,10 @@ def test_the_tail_takes_only_the_device_memory_left_over():
   assert plan.engine.tail_layers == 0 and plan.groups == groups == 4 and plan.engine.device_state_groups == 2
 
 
-@pytest.mark.xfail(strict=True, reason="known drift (#16 item 4): the plan leaves out the replaced host buffers that "
-                   "wait RETIRE_LAG retirements to be freed (about two host groups' state and weights) and, with "
-                   "clipping, host groups' state brought STATE_LEAD groups ahead beyond UPDATES_IN_FLIGHT")
-@pytest.mark.parametrize("clip", [0.0, 1.0])
-def test_live_bytes_after_every_dispatch_stay_within_the_plan(clip):
-  """What the engine holds, per memory kind, after each of its calls and transfers over steady steps, against what
-  its plan says it holds (less the compiled calls' scratch, which no live array shows)."""
+@functools.cache
+def _live_peaks(clip: float) -> tuple[dict, dict]:
+  """(The most bytes the engine holds per memory kind after each of its calls and transfers over steady steps, what
+  its plan says it holds: less the compiled calls' scratch, which no live array shows)."""
   model = tiny_model(6, 32)
   budget, _ = budget_keeping(model, 8, 4, 1, 2, sub_batches=2, clip=clip)
   plan = make_plan(model, 8, 4, budget, sub_batches=2, grad_clip_norm=clip)
@@ -248,6 +246,22 @@ def test_live_bytes_after_every_dispatch_stay_within_the_plan(clip):
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((4, 8), np.float32)}
   for _ in range(4):
     state, _ = engine.step(state, batch)
-  device = sum(plan.device_bytes.values()) - plan.device_bytes["compiled step peak"]
-  host = sum(plan.host_bytes.values())
-  assert peaks["device"] <= device and peaks["pinned_host"] <= host, (peaks, device, host)
+  planned = {"device": sum(plan.device_bytes.values()) - plan.device_bytes["compiled step peak"],
+             "pinned_host": sum(plan.host_bytes.values())}
+  return peaks, planned
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_live_pinned_host_bytes_after_every_dispatch_stay_within_the_plan(clip):
+  """The replaced host buffers that wait RETIRE_LAG retirements to be freed included (sljax.schedule.
+  retired_host_bytes): without them the plan fell short by half (+48% without clipping)."""
+  peaks, planned = _live_peaks(clip)
+  assert 0.9 * planned["pinned_host"] <= peaks["pinned_host"] <= planned["pinned_host"], (peaks, planned)
+
+
+@pytest.mark.parametrize("clip", [0.0, pytest.param(1.0, marks=pytest.mark.xfail(
+    strict=True, reason="known drift (#16 item 4): with clipping, host groups' state comes STATE_LEAD groups ahead, "
+                        "beyond the UPDATES_IN_FLIGHT the plan counts (+11%)"))])
+def test_live_device_bytes_after_every_dispatch_stay_within_the_plan(clip):
+  peaks, planned = _live_peaks(clip)
+  assert peaks["device"] <= planned["device"], (peaks, planned)
