@@ -169,13 +169,13 @@ def retired_host_bytes(on_device: list[bool], state: list[int], weights: list[in
     for g in range(last, -1, -1):
       replace(("parked", g))
   alive, most = collections.deque(maxlen=RETIRE_LAG), 0  # retired entries: {part: replaced yet}
-  for step, (kind, parts) in enumerate(events * 2):
+  for i, (kind, parts) in enumerate(events * 2):
     if kind == "retire":
       alive.append(dict.fromkeys(parts, False))
     else:
       for entry in alive:
         entry.update({part: True for part in parts if part in entry})
-    if step >= len(events):
+    if i >= len(events):  # the second step: steady
       most = max(most, sum(sizes[what][g] for entry in alive for (what, g), done in entry.items() if done))
   return most
 
