@@ -31,7 +31,8 @@ from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, write_
 from models.presets import build, get_config
 from sljax.generate import _dequantize
 from sljax.memory import tree_bytes
-from sljax.quant import CODES, QuantConfig, dequantize_kernel, quantize_kernel, quantize_layers
+from sljax.quant import CODES, QuantConfig, dequantize_kernel, is_packed, map_packed, quantize_kernel, \
+    quantize_layers
 
 define_flags("Tiny kernels on CPU: checks every variant runs and agrees.")
 flags.DEFINE_list("rows", ["32", "256"], "Tokens per call (a decode step's rows).")
@@ -123,13 +124,11 @@ def whole_layer(smoke: bool) -> dict:
                                            model.init_layers(jax.random.split(key, 1))))(jax.random.key(2))
   native = jax.jit(lambda tree: quantize_layers(tree, QuantConfig(bits=4, group_size=FLAGS.group_size)))(layer)
   del layer
-  is_kernel = lambda node: isinstance(node, dict) and set(node) == {"codes", "scale"}
-  on_kernels = lambda fn, tree: jax.tree.map(lambda n: fn(n) if is_kernel(n) else n, tree, is_leaf=is_kernel)
-  kernels = [node for node in jax.tree.leaves(native, is_leaf=is_kernel) if is_kernel(node)]
-  pairs = on_kernels(uint8_pairs, native)
+  kernels = [node for node in jax.tree.leaves(native, is_leaf=is_packed) if is_packed(node)]
+  pairs = map_packed(uint8_pairs, native)
   one = jax.jit(lambda p: dequantize_kernel(p, jnp.bfloat16))
   ms = {"one_call_int4": timed_ms(lambda t: _dequantize(t, jnp.bfloat16), native),
-        "one_call_uint8": timed_ms(jax.jit(lambda t: on_kernels(lambda n: dequantize_pairs(n, jnp.bfloat16), t)),
+        "one_call_uint8": timed_ms(jax.jit(lambda t: map_packed(lambda n: dequantize_pairs(n, jnp.bfloat16), t)),
                                    pairs),
         "kernel_calls_int4": sum(timed_ms(one, kernel) for kernel in kernels)}
   return {"kernels": len(kernels), "codes_bytes": sum(tree_bytes(k["codes"]) for k in kernels), "ms": ms}

@@ -137,7 +137,7 @@ def _dequantize(stacked, dtype):
 
 
 @jax.jit
-def _join_rows(parts):
+def _concat_rows(parts):
   """One group's sub-batch caches as one cache of all their rows, in order."""
   return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *parts)  # [L, B, T, K, H]
 
@@ -372,5 +372,5 @@ class _OffloadedPasses:
     """Decoding from here on runs every row in one call per group (the module docstring says why). Group by group,
     so that only one group's cache is ever held twice."""
     for g in range(len(self.caches)):
-      self.caches[g] = [_join_rows(self.caches[g])]
+      self.caches[g] = [_concat_rows(self.caches[g])]
     self.starts = [self.start_B]

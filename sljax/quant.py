@@ -66,8 +66,14 @@ def dequantize_kernel(packed: dict, dtype) -> jax.Array:
   return w.reshape(layers, rows, cols).astype(dtype)
 
 
-def _is_packed(node) -> bool:
+def is_packed(node) -> bool:
+  """A compressed kernel: {"codes", "scale"}."""
   return isinstance(node, dict) and set(node) == {"codes", "scale"}
+
+
+def map_packed(fn, stacked: dict) -> dict:
+  """`stacked` with fn applied to each compressed kernel; other leaves unchanged."""
+  return jax.tree.map(lambda node: fn(node) if is_packed(node) else node, stacked, is_leaf=is_packed)
 
 
 def quantize_layers(stacked: dict, cfg: QuantConfig) -> dict:
@@ -79,5 +85,4 @@ def quantize_layers(stacked: dict, cfg: QuantConfig) -> dict:
 def dequantize_layers(stacked: dict, dtype) -> dict:
   """The inverse, in `dtype`, for use inside a jitted call (so only the codes cross PCIe); a stack with nothing
   compressed comes back as it is."""
-  return jax.tree.map(lambda node: dequantize_kernel(node, dtype) if _is_packed(node) else node, stacked,
-                      is_leaf=_is_packed)
+  return map_packed(lambda node: dequantize_kernel(node, dtype), stacked)
