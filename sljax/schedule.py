@@ -508,12 +508,14 @@ class Engine:
     if forward and parked is not None:
       arriving = parked.setdefault("arriving", {})
       for ahead in range(g, min(g + STATE_LEAD, len(groups))):
-        if ahead not in arriving and parked["grads"][ahead] is not None:
-          self._admit(ahead)
-          # Taken out of the consumed state: a device group's parked gradient is freed once its update has run,
-          # not held (as ~30 GiB for llama13b) through the step that parks the next ones.
-          grads, parked["grads"][ahead] = parked["grads"][ahead], None
-          arriving[ahead] = self._take((groups[ahead]["master"], groups[ahead]["opt"], grads))
+        if ahead in arriving or parked["grads"][ahead] is None:
+          continue
+        if not self._admit(ahead, arriving=sum(not self.state_on_device[a] for a in arriving)):
+          break  # the device holds its bound of host groups' state: this one comes on a later group's turn
+        # Taken out of the consumed state: a device group's parked gradient is freed once its update has run,
+        # not held (as ~30 GiB for llama13b) through the step that parks the next ones.
+        grads, parked["grads"][ahead] = parked["grads"][ahead], None
+        arriving[ahead] = self._take((groups[ahead]["master"], groups[ahead]["opt"], grads))
       return arriving.pop(g)
     return self._fetch_weights(groups[g])
 
@@ -533,14 +535,18 @@ class Engine:
     self._admit(g)
     return self._take((group["master"], group["opt"]))
 
-  def _admit(self, g: int):
-    """Before host group g's state comes to the device: waits until all but UPDATES_IN_FLIGHT - 1 of the host
-    groups updated before it have left it. The wait is for a group two host groups back, so the device still has
-    the groups dispatched since then to run."""
+  def _admit(self, g: int, arriving: int = 0) -> bool:
+    """Whether host group g's state may come to the device now, keeping at most UPDATES_IN_FLIGHT host groups'
+    state there (with clipping, with their parked gradients): the `arriving` ones, brought in ahead of their updates,
+    and those whose new state is still leaving. Waits for the oldest of the latter to have left; False (no wait) when
+    the arriving ones alone fill the bound."""
     if self.state_on_device[g]:
-      return
-    while len(self._written_back) >= UPDATES_IN_FLIGHT:  # a group replaced since then has had its buffers freed
+      return True
+    if arriving >= UPDATES_IN_FLIGHT:
+      return False
+    while len(self._written_back) + arriving >= UPDATES_IN_FLIGHT:  # its buffers are freed once it has left
       jax.block_until_ready(_alive(self._written_back.popleft()))
+    return True
 
   def _take(self, tree):
     """Moves host-resident state to the device and retires its host buffers (device state moves nowhere)."""
