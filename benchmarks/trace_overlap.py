@@ -6,10 +6,12 @@ perfetto trace.
 
 The trace comes from `python -m benchmarks.train_throughput --trace_cases=CASE --trace_dir=DIR` (one traced step;
 given DIR, the newest trace in it is read). Prints the step's span, the time the GPU computes (and the gaps in which
-it runs no kernel), copies host->device and device->host, and how much copy time runs while it computes; the PNG
+it runs no kernel; for the longest, the copies in each and where the thread that dispatches the calls was held),
+copies host->device and device->host, and how much copy time runs while it computes; the PNG
 (needs matplotlib) draws the three lanes on one time axis. train_throughput calls these functions itself.
 """
 
+import collections
 import glob
 import gzip
 import json
@@ -23,13 +25,20 @@ FLAGS = flags.FLAGS
 IDLE_GAP_US = 100  # idle gaps at least this long are counted (shorter ones are kernel launch latency)
 LARGEST_GAPS = 5  # the summary lists this many of the longest
 
+HOST_LEVELS = 4  # how many of the innermost events the dispatching thread was in are kept for each largest gap
+
 # A GPU computing 0-100, 150-200 and 350-400 us, copying in 50-120 us and out 180-190 us (a CPU event is left out):
 # 60 us of its 80 us of copies run while it computes; it runs kernels 200 of the 400 us, idle in a gap of 50 us and
-# one of 150 us (the one over IDLE_GAP_US, 200 us after the start).
+# one of 150 us (the one over IDLE_GAP_US, 200 us after the start), through which the thread that dispatches the
+# kernels is held in one dispatch.
 SMOKE_TRACE = {"traceEvents": [
     {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
     {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
     {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+    {"ph": "X", "pid": 2, "tid": 3, "name": "step", "ts": 0, "dur": 400},
+    {"ph": "X", "pid": 2, "tid": 3, "name": "PjitFunction(forward)", "ts": 90, "dur": 5},
+    {"ph": "X", "pid": 2, "tid": 3, "name": "PjitFunction(layers)", "ts": 210, "dur": 130},
+    {"ph": "X", "pid": 2, "tid": 3, "name": "cuLaunchHostFunc", "ts": 220, "dur": 110},
     {"ph": "X", "pid": 1, "tid": 7, "name": "fusion", "ts": 0, "dur": 100},
     {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 150, "dur": 50},
     {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 350, "dur": 50},
@@ -110,6 +119,27 @@ def idle_gaps(compute, start: float, end: float) -> dict:
           "largest_idle_gaps": [{"ms": length / 1e3, "at_ms": (at - start) / 1e3} for at, length in longest]}
 
 
+def dispatch_thread(trace: dict) -> tuple | None:
+  """(pid, tid) of the host thread that dispatched the jitted calls: the one with the most PjitFunction events."""
+  counts = collections.Counter((e["pid"], e.get("tid")) for e in trace["traceEvents"]
+                               if e.get("ph") == "X" and e["name"].startswith("PjitFunction"))
+  return counts.most_common(1)[0][0] if counts else None
+
+
+def gap_context(trace: dict, merged: dict, gap: dict, start: float) -> dict:
+  """What went on in one idle gap (`gap`: an entry of idle_gaps' largest): milliseconds each copy direction was busy
+  in it, and the innermost HOST_LEVELS events the dispatching thread was in at its middle (outermost first). A GPU
+  with no work left while that thread is held in one dispatch ran out of dispatched work; a gap with the thread free
+  waited on a copy."""
+  at = start + gap["at_ms"] * 1e3
+  end, middle = at + gap["ms"] * 1e3, at + gap["ms"] * 500
+  copies = {lane: overlap(merged[lane], [[at, end]]) / 1e3 for lane in ("host_to_device", "device_to_host")}
+  thread = dispatch_thread(trace)
+  held = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and (e["pid"], e.get("tid")) == thread
+                 and e["ts"] <= middle <= e["ts"] + e["dur"]), key=lambda e: (e["ts"], -e["dur"]))
+  return {"copies_ms": copies, "dispatch_thread_in": [e["name"] for e in held][-HOST_LEVELS:]}
+
+
 def summarize(trace: dict) -> tuple[dict, dict, float]:
   """(The summary, the merged lanes, the span's start in us). ValueError for a trace without GPU events."""
   merged = {name: union(intervals) for name, intervals in lanes(trace).items()}
@@ -121,10 +151,12 @@ def summarize(trace: dict) -> tuple[dict, dict, float]:
   copies = union(merged["host_to_device"] + merged["device_to_host"])
   copy_seconds = sum(e - s for s, e in copies) / 1e6
   hidden = overlap(copies, merged["compute"]) / 1e6
+  gaps = idle_gaps(merged["compute"], start, end)
+  gaps["largest_idle_gaps"] = [{**gap, **gap_context(trace, merged, gap, start)} for gap in gaps["largest_idle_gaps"]]
   return {"span_s": (end - start) / 1e6, "busy_s": busy, "copy_s": copy_seconds, "copy_hidden_by_compute_s": hidden,
           "copy_hidden_fraction": hidden / copy_seconds if copy_seconds else None,
           "compute_fraction_of_span": busy["compute"] * 1e6 / (end - start),
-          **idle_gaps(merged["compute"], start, end), "compute_threads": compute_threads(trace)}, merged, start
+          **gaps, "compute_threads": compute_threads(trace)}, merged, start
 
 
 def newest_trace(path: str) -> str:

@@ -166,6 +166,10 @@ def traced_step(engine: Engine, state, batch):
   if summary:
     print(f"traced step: GPU busy {summary['compute_fraction_of_span']:.1%} of {summary['span_s']:.2f} s, idle "
           f"{summary['idle_s']:.2f} s in {summary['idle_gaps_over_100us']} gaps over 100 us", flush=True)
+    for gap in summary["largest_idle_gaps"][:1]:
+      print(f"  longest gap {gap['ms']:.1f} ms: copies in {gap['copies_ms']['host_to_device']:.1f} ms, out "
+            f"{gap['copies_ms']['device_to_host']:.1f} ms; the dispatching thread in "
+            f"{' > '.join(gap['dispatch_thread_in']) or 'nothing'}", flush=True)
   return state, {"gpu_busy_fraction": summary["compute_fraction_of_span"] if summary else None,
                  "traced_step_seconds": seconds,
                  "trace": {"file": path if FLAGS.trace_dir else None, "events": len(trace["traceEvents"]),

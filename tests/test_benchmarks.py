@@ -121,8 +121,13 @@ def test_trace_overlap_smoke_finds_the_copies_hidden_by_compute_and_the_idle_gap
   assert result["compute_fraction_of_span"] == pytest.approx(0.5) and result["idle_s"] == pytest.approx(200e-6)
   assert result["idle_gaps_over_100us"] == 1
   assert result["compute_threads"] == {"Stream #7(Compute)": pytest.approx(200e-6)}  # the copies' line is not compute
-  assert result["largest_idle_gaps"] == [{"ms": pytest.approx(0.15), "at_ms": pytest.approx(0.2)},
-                                         {"ms": pytest.approx(0.05), "at_ms": pytest.approx(0.1)}]
+  no_copies = {"host_to_device": 0.0, "device_to_host": 0.0}
+  assert result["largest_idle_gaps"] == [
+      {"ms": pytest.approx(0.15), "at_ms": pytest.approx(0.2), "copies_ms": no_copies,
+       "dispatch_thread_in": ["step", "PjitFunction(layers)", "cuLaunchHostFunc"]},  # held in one dispatch
+      {"ms": pytest.approx(0.05), "at_ms": pytest.approx(0.1), "copies_ms": {"host_to_device": pytest.approx(0.02),
+                                                                             "device_to_host": 0.0},
+       "dispatch_thread_in": ["step"]}]  # free: the GPU waits on something else
 
 
 def test_kernel_ceiling_smoke_times_the_three_kernels(tmp_path):
