@@ -128,16 +128,22 @@ def dispatch_thread(trace: dict) -> tuple | None:
 
 def gap_context(trace: dict, merged: dict, gap: dict, start: float) -> dict:
   """What went on in one idle gap (`gap`: an entry of idle_gaps' largest): milliseconds each copy direction was busy
-  in it, and the innermost HOST_LEVELS events the dispatching thread was in at its middle (outermost first). A GPU
-  with no work left while that thread is held in one dispatch ran out of dispatched work; a gap with the thread free
-  waited on a copy."""
+  in it, the innermost HOST_LEVELS events the dispatching thread was in at its middle (outermost first), and the
+  HOST_LEVELS events of other host threads that overlap it most (milliseconds each). A GPU with no work left while
+  that thread is held in one dispatch ran out of dispatched work; a gap with the thread free waited on a copy."""
   at = start + gap["at_ms"] * 1e3
   end, middle = at + gap["ms"] * 1e3, at + gap["ms"] * 500
   copies = {lane: overlap(merged[lane], [[at, end]]) / 1e3 for lane in ("host_to_device", "device_to_host")}
   thread = dispatch_thread(trace)
   held = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and (e["pid"], e.get("tid")) == thread
                  and e["ts"] <= middle <= e["ts"] + e["dur"]), key=lambda e: (e["ts"], -e["dur"]))
-  return {"copies_ms": copies, "dispatch_thread_in": [e["name"] for e in held][-HOST_LEVELS:]}
+  gpu, others = _gpu_pids(trace), collections.Counter()
+  for e in trace["traceEvents"]:
+    if (e.get("ph") == "X" and e["pid"] not in gpu and (e["pid"], e.get("tid")) != thread and e["ts"] < end
+        and e["ts"] + e["dur"] > at):
+      others[e["name"]] += (min(e["ts"] + e["dur"], end) - max(e["ts"], at)) / 1e3
+  return {"copies_ms": copies, "dispatch_thread_in": [e["name"] for e in held][-HOST_LEVELS:],
+          "other_threads_ms": dict(others.most_common(HOST_LEVELS))}
 
 
 def summarize(trace: dict) -> tuple[dict, dict, float]:

@@ -124,10 +124,11 @@ def test_trace_overlap_smoke_finds_the_copies_hidden_by_compute_and_the_idle_gap
   no_copies = {"host_to_device": 0.0, "device_to_host": 0.0}
   assert result["largest_idle_gaps"] == [
       {"ms": pytest.approx(0.15), "at_ms": pytest.approx(0.2), "copies_ms": no_copies,
-       "dispatch_thread_in": ["step", "PjitFunction(layers)", "cuLaunchHostFunc"]},  # held in one dispatch
+       "dispatch_thread_in": ["step", "PjitFunction(layers)", "cuLaunchHostFunc"],  # held in one dispatch
+       "other_threads_ms": {"MemcpyH2D": pytest.approx(0.15)}},
       {"ms": pytest.approx(0.05), "at_ms": pytest.approx(0.1), "copies_ms": {"host_to_device": pytest.approx(0.02),
                                                                              "device_to_host": 0.0},
-       "dispatch_thread_in": ["step"]}]  # free: the GPU waits on something else
+       "dispatch_thread_in": ["step"], "other_threads_ms": {"MemcpyH2D": pytest.approx(0.05)}}]  # thread free
 
 
 def test_kernel_ceiling_smoke_times_the_three_kernels(tmp_path):
