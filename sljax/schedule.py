@@ -75,8 +75,9 @@ class EngineConfig:
 # Replaced host buffers are freed this many retirements (about two layer groups) after their last copy was issued.
 RETIRE_LAG = 4
 # Host groups whose state may be on the device for an update at once: the one being written back while the next
-# arrives. Python dispatches far ahead of the device, so without this bound every host group's state would be
-# brought in at once, more than the device holds for llama13b.
+# arrives (with clipping, also those brought in ahead of their updates). Python dispatches far ahead of the device,
+# so without this bound every host group's state would be brought in at once, more than the device holds for
+# llama13b.
 UPDATES_IN_FLIGHT = 2
 # With clipped updates parked, a group's state (and parked gradient) is brought in this many groups before its
 # forward: one group's forward (4 x 16 ms for llama13b) is shorter than a host group's 4.6 GB copy (86 ms), so one
@@ -156,12 +157,16 @@ def retired_host_bytes(on_device: list[bool], state: list[int], weights: list[in
         retire(("state", g - 1))
   else:
     # The forward brings each group's state and parked gradient in STATE_LEAD groups ahead (and one further, as the
-    # weight stream fetches one item ahead); each group's update, before its forward, retires its old compute copy
-    # and makes the new state. The backward parks the new gradients.
-    taken = 0
+    # weight stream fetches one item ahead), a host group's only while fewer than UPDATES_IN_FLIGHT host groups are
+    # waiting for their updates (`Engine._fetch`); each group's update, before its forward, retires its old compute
+    # copy and makes the new state. The backward parks the new gradients.
+    taken, waiting = 0, set()  # waiting: host groups brought in ahead, not yet handed to their updates
     for g in range(groups + 1):
-      while taken < min(g + STATE_LEAD, groups):
+      waiting.discard(g - 1)  # handed over by the fetch before this one
+      while taken < min(g + STATE_LEAD, groups) and (
+          taken == g or on_device[taken] or len(waiting) < UPDATES_IN_FLIGHT):
         retire(("state", taken), ("parked", taken))
+        waiting |= set() if on_device[taken] else {taken}
         taken += 1
       if g:
         retire(("weights", g - 1))
@@ -510,7 +515,7 @@ class Engine:
       for ahead in range(g, min(g + STATE_LEAD, len(groups))):
         if ahead in arriving or parked["grads"][ahead] is None:
           continue
-        if not self._admit(ahead, arriving=sum(not self.state_on_device[a] for a in arriving)):
+        if not self._admit(ahead, sum(not self.state_on_device[a] for a in arriving), needed_now=ahead == g):
           break  # the device holds its bound of host groups' state: this one comes on a later group's turn
         # Taken out of the consumed state: a device group's parked gradient is freed once its update has run,
         # not held (as ~30 GiB for llama13b) through the step that parks the next ones.
@@ -535,17 +540,17 @@ class Engine:
     self._admit(g)
     return self._take((group["master"], group["opt"]))
 
-  def _admit(self, g: int, arriving: int = 0) -> bool:
+  def _admit(self, g: int, arriving: int = 0, needed_now: bool = True) -> bool:
     """Whether host group g's state may come to the device now, keeping at most UPDATES_IN_FLIGHT host groups'
     state there (with clipping, with their parked gradients): the `arriving` ones, brought in ahead of their updates,
     and those whose new state is still leaving. Waits for the oldest of the latter to have left; False (no wait) when
-    the arriving ones alone fill the bound."""
+    the arriving ones alone fill the bound and g is not needed now."""
     if self.state_on_device[g]:
       return True
-    if arriving >= UPDATES_IN_FLIGHT:
+    if arriving >= UPDATES_IN_FLIGHT and not needed_now:
       return False
-    while len(self._written_back) + arriving >= UPDATES_IN_FLIGHT:  # its buffers are freed once it has left
-      jax.block_until_ready(_alive(self._written_back.popleft()))
+    while self._written_back and len(self._written_back) + arriving >= UPDATES_IN_FLIGHT:
+      jax.block_until_ready(_alive(self._written_back.popleft()))  # its buffers are freed once it has left
     return True
 
   def _take(self, tree):
