@@ -126,15 +126,15 @@ def dispatch_thread(trace: dict) -> tuple | None:
   return counts.most_common(1)[0][0] if counts else None
 
 
-def gap_context(trace: dict, merged: dict, gap: dict, start: float) -> dict:
+def gap_context(trace: dict, merged: dict, gap: dict, start: float, thread: tuple | None) -> dict:
   """What went on in one idle gap (`gap`: an entry of idle_gaps' largest): milliseconds each copy direction was busy
-  in it, the innermost HOST_LEVELS events the dispatching thread was in at its middle (outermost first), and the
-  HOST_LEVELS events of other host threads that overlap it most (milliseconds each). A GPU with no work left while
-  that thread is held in one dispatch ran out of dispatched work; a gap with the thread free waited on a copy."""
+  in it, the innermost HOST_LEVELS events the dispatching thread (`thread`) was in at its middle (outermost first),
+  and the HOST_LEVELS events of other host threads that overlap it most (milliseconds each). A GPU with no work left
+  while that thread is held in one dispatch ran out of dispatched work; a gap with the thread free waited on a
+  copy."""
   at = start + gap["at_ms"] * 1e3
   end, middle = at + gap["ms"] * 1e3, at + gap["ms"] * 500
   copies = {lane: overlap(merged[lane], [[at, end]]) / 1e3 for lane in ("host_to_device", "device_to_host")}
-  thread = dispatch_thread(trace)
   held = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and (e["pid"], e.get("tid")) == thread
                  and e["ts"] <= middle <= e["ts"] + e["dur"]), key=lambda e: (e["ts"], -e["dur"]))
   gpu, others = _gpu_pids(trace), collections.Counter()
@@ -158,7 +158,9 @@ def summarize(trace: dict) -> tuple[dict, dict, float]:
   copy_seconds = sum(e - s for s, e in copies) / 1e6
   hidden = overlap(copies, merged["compute"]) / 1e6
   gaps = idle_gaps(merged["compute"], start, end)
-  gaps["largest_idle_gaps"] = [{**gap, **gap_context(trace, merged, gap, start)} for gap in gaps["largest_idle_gaps"]]
+  thread = dispatch_thread(trace)
+  gaps["largest_idle_gaps"] = [{**gap, **gap_context(trace, merged, gap, start, thread)}
+                               for gap in gaps["largest_idle_gaps"]]
   return {"span_s": (end - start) / 1e6, "busy_s": busy, "copy_s": copy_seconds, "copy_hidden_by_compute_s": hidden,
           "copy_hidden_fraction": hidden / copy_seconds if copy_seconds else None,
           "compute_fraction_of_span": busy["compute"] * 1e6 / (end - start),
