@@ -221,33 +221,45 @@ def test_the_tail_takes_only_the_device_memory_left_over():
   assert plan.engine.tail_layers == 0 and plan.groups == groups == 4 and plan.engine.device_state_groups == 2
 
 
-@functools.cache
-def _live_peaks(clip: float) -> tuple[dict, dict]:
-  """(The most bytes the engine holds per memory kind after each of its calls and transfers over steady steps, what
-  its plan says it holds: less the compiled calls' scratch, which no live array shows)."""
+def _observed_steps(clip: float, observe, steps: int, prepare=lambda engine: None):
+  """The tiny engine under its plan (2 of 6 groups' state on the device), `prepare(engine)`, then `steps` steps with
+  `observe()` after each of its calls and transfers. Returns the plan."""
   model = tiny_model(6, 32)
   budget, _ = budget_keeping(model, 8, 4, 1, 2, sub_batches=2, clip=clip)
   plan = make_plan(model, 8, 4, budget, sub_batches=2, grad_clip_norm=clip)
   engine = Engine(model, optax.adamw(1e-3), plan.engine)
-  peaks = {"device": 0, "pinned_host": 0}
+  prepare(engine)
 
-  def recorded(fn):
+  def observed(fn):
     def call(*args, **kwargs):
       out = fn(*args, **kwargs)
-      live = [x for x in jax.live_arrays() if not x.is_deleted()]
-      for kind in peaks:
-        peaks[kind] = max(peaks[kind], sum(x.nbytes for x in live if x.sharding.memory_kind == kind))
+      observe()
       return out
     return call
 
   for name in ("_embed", "_forward", "_last_group", "_backward", "_embed_backward", "_update", "_zeros", "_cast"):
-    setattr(engine, name, recorded(getattr(engine, name)))
-  object.__setattr__(engine.place, "_put", recorded(engine.place._put))  # every transfer
+    setattr(engine, name, observed(getattr(engine, name)))
+  object.__setattr__(engine.place, "_put", observed(engine.place._put))  # every transfer
   state = engine.init(jax.random.key(0))
   tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (4, 9)).astype(np.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((4, 8), np.float32)}
-  for _ in range(4):
+  for _ in range(steps):
     state, _ = engine.step(state, batch)
+  return plan
+
+
+@functools.cache
+def _live_peaks(clip: float) -> tuple[dict, dict]:
+  """(The most bytes the engine holds per memory kind after each of its calls and transfers over steady steps, what
+  its plan says it holds: less the compiled calls' scratch, which no live array shows)."""
+  peaks = {"device": 0, "pinned_host": 0}
+
+  def observe():
+    live = [x for x in jax.live_arrays() if not x.is_deleted()]
+    for kind in peaks:
+      peaks[kind] = max(peaks[kind], sum(x.nbytes for x in live if x.sharding.memory_kind == kind))
+
+  plan = _observed_steps(clip, observe, steps=4)
   planned = {"device": sum(plan.device_bytes.values()) - plan.device_bytes["compiled step peak"],
              "pinned_host": sum(plan.host_bytes.values())}
   return peaks, planned
@@ -276,33 +288,21 @@ def test_clipped_host_groups_on_the_device_at_once_stay_within_updates_in_flight
   """Counts the host groups whose state (and parked gradient) has come to the device for an update that has not run
   yet, after every call and transfer of steady clipped steps (on CPU a state that has left frees its device copy at
   once, so only these can be there)."""
-  model = tiny_model(6, 32)
-  budget, _ = budget_keeping(model, 8, 4, 1, 2, sub_batches=2, clip=1.0)
-  engine = Engine(model, optax.adamw(1e-3), make_plan(model, 8, 4, budget, sub_batches=2, grad_clip_norm=1.0).engine)
-  assert engine.state_on_device.count(False) > schedule.UPDATES_IN_FLIGHT  # enough host groups to fill the bound
   taken, most = [], [0]
 
-  def count(fn):
-    def call(*args, **kwargs):
-      out = fn(*args, **kwargs)
-      most[0] = max(most[0], sum(any(x() is not None and not x().is_deleted() for x in refs) for refs in taken))
-      return out
-    return call
+  def observe():
+    most[0] = max(most[0], sum(any(x() is not None and not x().is_deleted() for x in refs) for refs in taken))
 
-  def take(tree):
-    moved = engine_take(tree)
-    if any(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(tree)):  # a host group's
-      taken.append([weakref.ref(x) for x in jax.tree.leaves(moved)])
-    return moved
+  def prepare(engine):
+    assert engine.state_on_device.count(False) > schedule.UPDATES_IN_FLIGHT  # enough host groups to fill the bound
+    take = engine._take
 
-  engine_take = engine._take
-  engine._take = take
-  for name in ("_embed", "_forward", "_last_group", "_backward", "_embed_backward", "_update", "_cast"):
-    setattr(engine, name, count(getattr(engine, name)))
-  object.__setattr__(engine.place, "_put", count(engine.place._put))
-  state = engine.init(jax.random.key(0))
-  tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (4, 9)).astype(np.int32)
-  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((4, 8), np.float32)}
-  for _ in range(3):
-    state, _ = engine.step(state, batch)
+    def recorded_take(tree):
+      moved = take(tree)
+      if any(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(tree)):  # a host group's
+        taken.append([weakref.ref(x) for x in jax.tree.leaves(moved)])
+      return moved
+    engine._take = recorded_take
+
+  _observed_steps(1.0, observe, steps=3, prepare=prepare)
   assert 0 < most[0] <= schedule.UPDATES_IN_FLIGHT, most[0]
