@@ -26,11 +26,17 @@ IDLE_GAP_US = 100  # idle gaps at least this long are counted (shorter ones are 
 LARGEST_GAPS = 5  # the summary lists this many of the longest
 
 HOST_LEVELS = 4  # how many of the innermost events the dispatching thread was in are kept for each largest gap
+MODULES = 8  # the summary names this many of the jitted programs whose kernels take the most time
+# The profiler's own overhead: CUPTI flushing its activity buffers (CUPTI_ACTIVITY_OVERHEAD_CUPTI_BUFFER_FLUSH), a host
+# event of this name. While it runs, CUDA calls of the dispatching thread wait (seen on the H200: the thread held in
+# cuLaunchHostFunc from the flush's first to its last microsecond), so a traced step idles where an untraced one need
+# not.
+PROFILER_FLUSH = "BUFFER_FLUSH"
 
-# A GPU computing 0-100, 150-200 and 350-400 us, copying in 50-120 us and out 180-190 us (a CPU event is left out):
-# 60 us of its 80 us of copies run while it computes; it runs kernels 200 of the 400 us, idle in a gap of 50 us and
-# one of 150 us (the one over IDLE_GAP_US, 200 us after the start), through which the thread that dispatches the
-# kernels is held in one dispatch.
+# A GPU computing 0-100 (one program), 150-200 and 350-400 us (another), copying in 50-120 us and out 180-190 us (a CPU
+# event is left out): 60 us of its 80 us of copies run while it computes; it runs kernels 200 of the 400 us, idle in a
+# gap of 50 us and one of 150 us (the one over IDLE_GAP_US, 200 us after the start), through which the thread that
+# dispatches the kernels is held in one dispatch, 60 us of it while the profiler flushes its buffers.
 SMOKE_TRACE = {"traceEvents": [
     {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
     {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
@@ -39,12 +45,13 @@ SMOKE_TRACE = {"traceEvents": [
     {"ph": "X", "pid": 2, "tid": 3, "name": "PjitFunction(forward)", "ts": 90, "dur": 5},
     {"ph": "X", "pid": 2, "tid": 3, "name": "PjitFunction(layers)", "ts": 210, "dur": 130},
     {"ph": "X", "pid": 2, "tid": 3, "name": "cuLaunchHostFunc", "ts": 220, "dur": 110},
-    {"ph": "X", "pid": 1, "tid": 7, "name": "fusion", "ts": 0, "dur": 100},
-    {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 150, "dur": 50},
-    {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 350, "dur": 50},
+    {"ph": "X", "pid": 1, "tid": 7, "name": "fusion", "ts": 0, "dur": 100, "args": {"hlo_module": "jit_update"}},
+    {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 150, "dur": 50, "args": {"hlo_module": "jit_layers"}},
+    {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 350, "dur": 50, "args": {"hlo_module": "jit_layers"}},
     {"ph": "X", "pid": 1, "tid": 8, "name": "MemcpyH2D", "ts": 50, "dur": 70},
     {"ph": "X", "pid": 1, "tid": 8, "name": "MemcpyD2H", "ts": 180, "dur": 10},
     {"ph": "X", "pid": 2, "tid": 1, "name": "MemcpyH2D", "ts": 0, "dur": 500},
+    {"ph": "X", "pid": 2, "tid": 4, "name": "BUFFER_FLUSH", "ts": 250, "dur": 60},
 ]}
 
 
@@ -143,7 +150,25 @@ def gap_context(trace: dict, merged: dict, gap: dict, start: float, thread: tupl
         and e["ts"] + e["dur"] > at):
       others[e["name"]] += (min(e["ts"] + e["dur"], end) - max(e["ts"], at)) / 1e3
   return {"copies_ms": copies, "dispatch_thread_in": [e["name"] for e in held][-HOST_LEVELS:],
-          "other_threads_ms": dict(others.most_common(HOST_LEVELS))}
+          "other_threads_ms": dict(others.most_common(HOST_LEVELS)),
+          "profiler_flush_ms": overlap(profiler_flushes(trace), [[at, end]]) / 1e3}
+
+
+def profiler_flushes(trace: dict) -> list:
+  """Merged intervals (us) in which the profiler flushed its buffers (PROFILER_FLUSH events)."""
+  return union([(e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
+                if e.get("ph") == "X" and e["name"] == PROFILER_FLUSH])
+
+
+def compute_by_module(trace: dict) -> dict[str, float]:
+  """Kernel seconds per jitted program (the kernels' hlo_module), the MODULES longest, the rest as "other"."""
+  gpu, seconds = _gpu_pids(trace), collections.Counter()
+  for e in trace["traceEvents"]:
+    if e.get("ph") == "X" and e["pid"] in gpu and _lane(e) == "compute":
+      seconds[e.get("args", {}).get("hlo_module", "unnamed")] += e["dur"] / 1e6
+  top = dict(seconds.most_common(MODULES))
+  rest = sum(seconds.values()) - sum(top.values())
+  return top | ({"other": rest} if rest > 0 else {})
 
 
 def summarize(trace: dict) -> tuple[dict, dict, float]:
@@ -158,13 +183,18 @@ def summarize(trace: dict) -> tuple[dict, dict, float]:
   copy_seconds = sum(e - s for s, e in copies) / 1e6
   hidden = overlap(copies, merged["compute"]) / 1e6
   gaps = idle_gaps(merged["compute"], start, end)
+  flushing = [[max(a, start), min(b, end)] for a, b in profiler_flushes(trace) if b > start and a < end]
+  busy_or_flushing = union(merged["compute"] + flushing)
+  # Idle time in which the profiler flushed: the trace's own cost (see PROFILER_FLUSH).
+  gaps["idle_while_profiler_flushed_s"] = gaps["idle_s"] - idle_gaps(busy_or_flushing, start, end)["idle_s"]
   thread = dispatch_thread(trace)
   gaps["largest_idle_gaps"] = [{**gap, **gap_context(trace, merged, gap, start, thread)}
                                for gap in gaps["largest_idle_gaps"]]
   return {"span_s": (end - start) / 1e6, "busy_s": busy, "copy_s": copy_seconds, "copy_hidden_by_compute_s": hidden,
           "copy_hidden_fraction": hidden / copy_seconds if copy_seconds else None,
           "compute_fraction_of_span": busy["compute"] * 1e6 / (end - start),
-          **gaps, "compute_threads": compute_threads(trace)}, merged, start
+          **gaps, "compute_threads": compute_threads(trace), "compute_s_by_module": compute_by_module(trace)
+          }, merged, start
 
 
 def newest_trace(path: str) -> str:

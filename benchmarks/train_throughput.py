@@ -133,7 +133,7 @@ def run_engine(name, engine: Engine, batch, steps, key):
   result = record(name, engine.model.cfg, rows, seq, seconds, times, losses, recomputed,
                   {"engine": dataclasses.asdict(engine.cfg), "bytes_moved_per_step": moved})
   if name in FLAGS.trace_cases:
-    state, traced = traced_step(engine, state, batch)
+    state, traced = traced_step(engine, state, batch, seconds)
     result.update(traced)
   del state  # the ceilings' kernels get the device the step had
   sub_batches = engine.cfg.sub_batches
@@ -150,9 +150,12 @@ def run_engine(name, engine: Engine, batch, steps, key):
           "ceiling_mfu_schedule": schedule_ceiling, "kernel_ceiling": ceiling}
 
 
-def traced_step(engine: Engine, state, batch):
+def traced_step(engine: Engine, state, batch, untraced_seconds: float):
   """One more step under jax.profiler: (the state after it, what the GPU did in it: benchmarks.trace_overlap's
-  summary, and its compute fraction as gpu_busy_fraction; None without a GPU, whose trace has no device lanes)."""
+  summary, and its compute fraction as gpu_busy_fraction; None without a GPU, whose trace has no device lanes).
+
+  The profiler costs time of its own (trace_overlap.PROFILER_FLUSH: the step idles while it flushes its buffers), so
+  untraced_busy_fraction divides the same kernels' time by the untraced step's `untraced_seconds` instead."""
   with contextlib.ExitStack() as stack:
     trace_dir = FLAGS.trace_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="sljax_trace_"))
     start = time.perf_counter()
@@ -163,15 +166,20 @@ def traced_step(engine: Engine, state, batch):
     path = trace_overlap.newest_trace(trace_dir)
     trace = trace_overlap.load(path)
   summary = trace_overlap.summarize(trace)[0] if jax.devices()[0].platform == "gpu" else None
+  untraced = min(summary["busy_s"]["compute"] / untraced_seconds, 1.0) if summary else None
   if summary:
     print(f"traced step: GPU busy {summary['compute_fraction_of_span']:.1%} of {summary['span_s']:.2f} s, idle "
-          f"{summary['idle_s']:.2f} s in {summary['idle_gaps_over_100us']} gaps over 100 us", flush=True)
+          f"{summary['idle_s']:.2f} s in {summary['idle_gaps_over_100us']} gaps over 100 us, "
+          f"{summary['idle_while_profiler_flushed_s']:.2f} s of it while the profiler flushed; its kernels are "
+          f"{untraced:.1%} of an untraced step ({untraced_seconds:.2f} s)", flush=True)
+    print("  kernel seconds by program: " + ", ".join(
+        f"{module} {seconds:.2f}" for module, seconds in summary["compute_s_by_module"].items()), flush=True)
     for gap in summary["largest_idle_gaps"][:1]:
       print(f"  longest gap {gap['ms']:.1f} ms: copies in {gap['copies_ms']['host_to_device']:.1f} ms, out "
             f"{gap['copies_ms']['device_to_host']:.1f} ms; the dispatching thread in "
             f"{' > '.join(gap['dispatch_thread_in']) or 'nothing'}", flush=True)
   return state, {"gpu_busy_fraction": summary["compute_fraction_of_span"] if summary else None,
-                 "traced_step_seconds": seconds,
+                 "untraced_busy_fraction": untraced, "traced_step_seconds": seconds,
                  "trace": {"file": path if FLAGS.trace_dir else None, "events": len(trace["traceEvents"]),
                            **(summary or {})}}
 

@@ -79,6 +79,7 @@ def test_train_throughput_smoke_traces_the_big_step(train_throughput):
   big = by_case(train_throughput)["big"]
   # A CPU's trace has no GPU lanes: read, but no busy fraction.
   assert big["trace"]["events"] > 0 and big["gpu_busy_fraction"] is None and big["traced_step_seconds"] > 0
+  assert big["untraced_busy_fraction"] is None
   assert "trace" not in by_case(train_throughput)["big_clip"]
 
 
@@ -121,14 +122,18 @@ def test_trace_overlap_smoke_finds_the_copies_hidden_by_compute_and_the_idle_gap
   assert result["compute_fraction_of_span"] == pytest.approx(0.5) and result["idle_s"] == pytest.approx(200e-6)
   assert result["idle_gaps_over_100us"] == 1
   assert result["compute_threads"] == {"Stream #7(Compute)": pytest.approx(200e-6)}  # the copies' line is not compute
+  assert result["compute_s_by_module"] == {"jit_update": pytest.approx(100e-6), "jit_layers": pytest.approx(100e-6)}
+  assert result["idle_while_profiler_flushed_s"] == pytest.approx(60e-6)
   no_copies = {"host_to_device": 0.0, "device_to_host": 0.0}
   assert result["largest_idle_gaps"] == [
       {"ms": pytest.approx(0.15), "at_ms": pytest.approx(0.2), "copies_ms": no_copies,
        "dispatch_thread_in": ["step", "PjitFunction(layers)", "cuLaunchHostFunc"],  # held in one dispatch
-       "other_threads_ms": {"MemcpyH2D": pytest.approx(0.15)}},
+       "other_threads_ms": {"MemcpyH2D": pytest.approx(0.15), "BUFFER_FLUSH": pytest.approx(0.06)},
+       "profiler_flush_ms": pytest.approx(0.06)},
       {"ms": pytest.approx(0.05), "at_ms": pytest.approx(0.1), "copies_ms": {"host_to_device": pytest.approx(0.02),
                                                                              "device_to_host": 0.0},
-       "dispatch_thread_in": ["step"], "other_threads_ms": {"MemcpyH2D": pytest.approx(0.05)}}]  # thread free
+       "dispatch_thread_in": ["step"], "other_threads_ms": {"MemcpyH2D": pytest.approx(0.05)},  # thread free
+       "profiler_flush_ms": 0.0}]
 
 
 def test_kernel_ceiling_smoke_times_the_three_kernels(tmp_path):
