@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import gc
 import weakref
 
 import jax
@@ -253,6 +254,7 @@ def _live_peaks(clip: float, resident: bool = False) -> tuple[dict, dict]:
   """(The most bytes the engine holds per memory kind after each of its calls and transfers over steady steps, what
   its plan says it holds: less the compiled calls' scratch, which no live array shows)."""
   peaks = {"device": 0, "pinned_host": 0}
+  gc.collect()  # an earlier run's engine (its wrapped calls make a cycle) holds its state until collected
 
   def observe():
     live = [x for x in jax.live_arrays() if not x.is_deleted()]
