@@ -14,6 +14,7 @@ import statistics
 
 from absl import app, flags
 
+from benchmarks import trace_overlap
 from benchmarks.common import REPO
 from models.presets import build, get_config
 from sljax.lora import LoraConfig, LoraModel, lora_flops_per_token
@@ -82,10 +83,10 @@ def train_throughput() -> str:
 
 
 def _kernels_of_untraced_step(case: dict):
-  """The traced step's kernel seconds over the untraced step's seconds (the profiler idles the traced step while it
-  flushes its buffers: benchmarks.trace_overlap.PROFILER_FLUSH); None without a GPU trace."""
-  busy = case.get("trace", {}).get("busy_s")
-  return min(busy["compute"] / case["step_seconds"], 1.0) if busy else None
+  """benchmarks.trace_overlap.kernel_share of the case's traced step over its untraced one, from the recorded
+  fields (rows older than untraced_busy_fraction have them too); None without a GPU trace."""
+  trace = case.get("trace", {})
+  return trace_overlap.kernel_share(trace, case["step_seconds"]) if "busy_s" in trace else None
 
 
 def train_py() -> str:

@@ -160,6 +160,12 @@ def profiler_flushes(trace: dict) -> list:
                 if e.get("ph") == "X" and e["name"] == PROFILER_FLUSH])
 
 
+def kernel_share(summary: dict, step_seconds: float) -> float:
+  """A traced step's kernel seconds (`summary`: summarize's) over an untraced step's `step_seconds`: the GPU's busy
+  fraction without the profiler's own idle (PROFILER_FLUSH), since tracing leaves the kernels as they are."""
+  return min(summary["busy_s"]["compute"] / step_seconds, 1.0)
+
+
 def compute_by_module(trace: dict) -> dict[str, float]:
   """Kernel seconds per jitted program (the kernels' hlo_module), the MODULES longest, the rest as "other"."""
   gpu, seconds = _gpu_pids(trace), collections.Counter()

@@ -166,7 +166,7 @@ def traced_step(engine: Engine, state, batch, untraced_seconds: float):
     path = trace_overlap.newest_trace(trace_dir)
     trace = trace_overlap.load(path)
   summary = trace_overlap.summarize(trace)[0] if jax.devices()[0].platform == "gpu" else None
-  untraced = min(summary["busy_s"]["compute"] / untraced_seconds, 1.0) if summary else None
+  untraced = trace_overlap.kernel_share(summary, untraced_seconds) if summary else None
   if summary:
     print(f"traced step: GPU busy {summary['compute_fraction_of_span']:.1%} of {summary['span_s']:.2f} s, idle "
           f"{summary['idle_s']:.2f} s in {summary['idle_gaps_over_100us']} gaps over 100 us, "

@@ -255,10 +255,11 @@ def _live_peaks(clip: float, resident: bool = False) -> tuple[dict, dict]:
   its plan says it holds: less the compiled calls' scratch, which no live array shows)."""
   peaks = {"device": 0, "pinned_host": 0}
   gc.collect()  # an earlier run's engine (its wrapped calls make a cycle) holds its state until collected
-  earlier = {id(x) for x in jax.live_arrays()}  # other tests' arrays, whatever still holds them
+  earlier = jax.live_arrays()  # other tests' arrays, whatever still holds them: held here, so no id is reused
+  earlier_ids = {id(x) for x in earlier}
 
   def observe():
-    live = [x for x in jax.live_arrays() if not x.is_deleted() and id(x) not in earlier]
+    live = [x for x in jax.live_arrays() if not x.is_deleted() and id(x) not in earlier_ids]
     for kind in peaks:
       peaks[kind] = max(peaks[kind], sum(x.nbytes for x in live if x.sharding.memory_kind == kind))
 
