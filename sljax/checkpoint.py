@@ -421,6 +421,19 @@ def newest_checkpoint(directory: str) -> tuple[str, dict]:
     raise CheckpointCorruptError(_unreadable(step_dir, error)) from None
 
 
+def saved_group_layers(directory: str) -> tuple[str, list[int]] | None:
+  """(step directory, layers per group) of the newest checkpoint under `directory` when it holds the offload
+  engine's state (each group's stacked master weights give its layers); None when there is no readable one."""
+  try:
+    step_dir = newest_checkpoint(directory)[0]
+    arrays = read_manifest(os.path.join(step_dir, "state"))["arrays"]
+  except (ValueError, _Garbled, OSError):
+    return None  # the trainer says why it cannot resume from it
+  layers = {entry["path"][1]: entry["shape"][0] for entry in arrays
+            if entry["path"][0] == "groups" and entry["path"][2] == "master"}
+  return (step_dir, [layers[g] for g in sorted(layers)]) if layers else None
+
+
 def read_arrays(step_dir: str, wanted=lambda path: True) -> dict[tuple, np.ndarray]:
   """{pytree path: numpy array} of one checkpoint's training state (verified), for the paths `wanted` accepts."""
   handler = StateHandler()

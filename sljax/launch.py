@@ -30,7 +30,7 @@ from models.config import ModelConfig
 from models.hf import HFWeights
 from models.presets import build, get_config, parse_overrides
 from sljax import metrics, schedule, trainer
-from sljax.checkpoint import newest_checkpoint
+from sljax.checkpoint import newest_checkpoint, saved_group_layers
 from sljax.data import DataConfig, Source, make_source
 from sljax.lora import (FINE_TUNING_LEARNING_RATE, LoraConfig, LoraEngine, LoraEngineConfig, LoraModel,
                         describe_base, lora_flops_per_token, plan_lora, random_base_key, run_meta, split_adapters)
@@ -305,9 +305,10 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   budget = plan_budget(launch, device, target, local)
   model = build(model_cfg)
   planned = batch_planned(request, model_cfg)
+  live_layers, tail_layers = resumed_layout(launch, configs.run.workdir, model_cfg.num_layers)
 
   def plan_with(optim_cfg):  # the plan sizes one device's work: its rows, its 1/fsdp share of the layer state
-    args = dict(sub_batches=launch.sub_batches, live_layers=launch.live_layers, tail_layers=launch.tail_layers,
+    args = dict(sub_batches=launch.sub_batches, live_layers=live_layers, tail_layers=tail_layers,
                 fsdp=mesh.shape["fsdp"], target=target, optimizer=make_optimizer(optim_cfg, clip=False),
                 grad_clip_norm=optim_cfg.grad_clip_norm)
     if planned:
@@ -357,6 +358,30 @@ def check_lora_request(launch: LaunchConfig):
     raise ValueError(f"{' and '.join(asked)} shape full training; --lora_rank fine-tunes on one device through the "
                      f"LoRA engine, whose plan places the frozen base (--sub_batches, --live_layers and the memory "
                      f"budgets apply)")
+
+
+def resumed_layout(launch: LaunchConfig, workdir: str, num_layers: int) -> tuple[int, int]:
+  """(live_layers, tail_layers) for the plan: those of the offload engine's checkpoint this run resumes from, whose
+  layer groups are its state's structure, whatever the plan would choose now (another budget, a newer planner);
+  else the flags' (0: the plan chooses). ValueError when the flags ask for other groups than the checkpoint's."""
+  saved = saved_group_layers(workdir)
+  if saved is None or sum(saved[1]) != num_layers:  # nothing to resume (or another model's: the trainer says so)
+    return launch.live_layers, launch.tail_layers
+  step_dir, group_layers = saved
+  try:
+    live, tail = schedule.layout_of(group_layers)
+  except ValueError:
+    return launch.live_layers, launch.tail_layers
+  asked = schedule.group_bounds(num_layers, launch.live_layers or live, launch.tail_layers or tail)
+  if asked != schedule.group_bounds(num_layers, live, tail):
+    flags = " ".join(f"--{name}={getattr(launch, name)}" for name in ("live_layers", "tail_layers")
+                     if getattr(launch, name))
+    raise ValueError(f"checkpoint {step_dir} holds layer groups of {live} layer(s) and a last group of {tail}; "
+                     f"{flags} asks for others: drop {'them' if ' ' in flags else 'it'} to resume, or use another "
+                     f"--workdir")
+  print(f"note: resuming from {step_dir}: its layer groups are kept ({live} layer(s) per group, the last group "
+        f"{tail})")
+  return live, tail
 
 
 def choose_lora_engine(request: Request, configs: Configs) -> tuple:

@@ -280,9 +280,15 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   # each way).
   parked_per_layer = layer * 4 // fsdp if grad_clip_norm > 0 else 0
   parked = live * parked_per_layer
-  # What the step keeps in flight (the schedule's own account of it), then the compiled calls' scratch.
-  fixed_device = dict(in_flight_bytes(sizes, cfg, sub_batch, seq_len, state_per_layer, opt_bytes, fsdp),
-                      **{"compiled step peak": peak})
+  # What the step keeps in flight (the schedule's own account of it), then the compiled calls' scratch. Where every
+  # group's state fits on the device beside it, no state moves, and nothing is in flight for the updates.
+  fixed = lambda host_state: dict(
+      in_flight_bytes(sizes, cfg, sub_batch, seq_len, state_per_layer, opt_bytes, fsdp, host_state),
+      **{"compiled step peak": peak})
+  per_layer = state_per_layer + parked_per_layer
+  fixed_device = fixed(host_state=False)
+  if budget.device_bytes - sum(fixed_device.values()) < sizes.num_layers * per_layer:
+    fixed_device = fixed(host_state=True)
   free = budget.device_bytes - sum(fixed_device.values())
   if free < 0:
     raise ValueError(f"{sum(fixed_device.values()) / GIB:.1f} GiB of device memory is needed for one group's step "
@@ -291,7 +297,6 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
 
   resident = lambda device_groups: sum(  # layers whose state the device keeps
       b - a for (a, b), on_device in zip(bounds, state_on_device(groups, device_groups)) if on_device)
-  per_layer = state_per_layer + parked_per_layer
   on_host, device_groups = free < sizes.num_layers * per_layer + stash, groups
   while on_host and device_groups and resident(device_groups) * per_layer > free:
     device_groups -= 1  # all on the device if it all fits (no PCIe traffic); else the stash first, then state

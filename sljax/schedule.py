@@ -102,18 +102,29 @@ def group_bounds(num_layers: int, live_layers: int, tail_layers: int = 0) -> lis
           + ([(head, num_layers)] if tail_layers else []))
 
 
+def layout_of(group_layers: list[int]) -> tuple[int, int]:
+  """(live_layers, tail_layers) whose `group_bounds` are groups of these many layers, in order: the layout of engine
+  state (a checkpoint's, say) from its groups' sizes. ValueError when no layout makes them."""
+  live, tail = group_layers[0], group_layers[-1]
+  starts = np.cumsum([0, *group_layers]).tolist()
+  if group_bounds(starts[-1], live, tail) != list(zip(starts[:-1], starts[1:])):
+    raise ValueError(f"groups of {group_layers} layers are not an engine layout")
+  return live, tail
+
+
 def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: int, state_per_layer: int,
-                    opt_bytes_per_param: float, fsdp: int = 1) -> dict[str, int]:
+                    opt_bytes_per_param: float, fsdp: int = 1, host_state: bool = True) -> dict[str, int]:
   """What `Engine.step` keeps on each device besides the groups' resident state, parked gradients and stash, by kind:
   the schedule's own account of its footprint, which the plan (sljax.plan) adds the compiled calls' scratch to.
-  sizes: sljax.sizes.ModelSizes; state_per_layer: one layer's master weights + optimizer state on this device."""
+  sizes: sljax.sizes.ModelSizes; state_per_layer: one layer's master weights + optimizer state on this device;
+  host_state: some group's state lives in host memory (else no state moves: updates donate it in place)."""
   bounds = group_bounds(sizes.num_layers, cfg.live_layers, cfg.tail_layers)
   groups, last_layers, live = len(bounds), bounds[-1][1] - bounds[-1][0], cfg.live_layers
   weights_per_group = live * sizes.layer_weight_bytes  # gathered whole on every device while the group runs
   state_per_group = live * state_per_layer
   parked = live * sizes.layer_params * 4 // fsdp if cfg.grad_clip_norm > 0 else 0
   widest = max(live, last_layers) * sizes.layer_params * 4  # the largest group's fp32 gradient
-  return {
+  footprint = {
       # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
       # per step) and the per-device gradient accumulator.
       "embeddings+head (params, moments, grads)": int(
@@ -126,12 +137,14 @@ def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: in
       # In backward one group's gradients accumulate (whole, on every device) while the next group's wait, reduced to
       # this device's shard, for its deferred update.
       "group grads (2)": widest + widest // fsdp,
-      # That deferred update holds the group's state and writes the new state while the next group's arrives; the
-      # engine lets UPDATES_IN_FLIGHT host groups' state (with clipping, and their parked gradients) be on the device.
-      "group state in update (3)": max(3 * state_per_group, UPDATES_IN_FLIGHT * (state_per_group + parked)),
-      # A group's inputs, outputs and gradients, for every sub-batch.
-      "activations in flight": 3 * cfg.sub_batches * sizes.activation_bytes(sub_batch_rows, seq_len),
   }
+  if host_state:
+    # A host group's deferred update holds its state and writes the new state while the next group's arrives; the
+    # engine lets UPDATES_IN_FLIGHT host groups' state (with clipping, and their parked gradients) be on the device.
+    footprint["group state in update (3)"] = max(3 * state_per_group, UPDATES_IN_FLIGHT * (state_per_group + parked))
+  # A group's inputs, outputs and gradients, for every sub-batch.
+  footprint["activations in flight"] = 3 * cfg.sub_batches * sizes.activation_bytes(sub_batch_rows, seq_len)
+  return footprint
 
 
 def retired_host_bytes(on_device: list[bool], state: list[int], weights: list[int], parked: list[int]) -> int:

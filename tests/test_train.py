@@ -49,6 +49,27 @@ def test_resumed_run_continues_the_step_count_and_matches_an_uninterrupted_run(t
   assert train_in_process(tmp_path / "two", "--steps=6", *schedule) == {}  # already done
 
 
+def test_an_offload_run_resumes_with_its_checkpoints_layer_groups_whatever_the_plan_chooses_now(tmp_path, capsys):
+  """A checkpoint's layer groups are its state's structure: a resume keeps them where the plan (a newer planner,
+  another budget) would now choose others, here one tail group of both layers instead of one layer per group."""
+  schedule = ["--engine=offload", "--sub_batches=2", "--decay_steps=4", "--checkpoint_every=2"]
+  groups = ["--live_layers=1", "--tail_layers=1"]
+  uninterrupted = train_in_process(tmp_path / "one", "--steps=4", *schedule, *groups)
+  train_in_process(tmp_path / "two", "--steps=2", *schedule, *groups)
+  capsys.readouterr()
+  train_in_process(tmp_path / "planned", "--steps=1", *schedule)
+  assert "the last 2 layers one group" in capsys.readouterr().out  # what the plan chooses for this model now
+  resumed = train_in_process(tmp_path / "two", "--steps=4", *schedule)
+  out = capsys.readouterr().out
+  assert f"note: resuming from {tmp_path / 'two' / 'checkpoints' / '2'}: its layer groups are kept (1 layer(s) per " \
+         "group, the last group 1)" in out, out
+  assert sorted(resumed) == [3, 4]
+  np.testing.assert_allclose([resumed[3], resumed[4]], [uninterrupted[3], uninterrupted[4]], rtol=1e-6)
+  with pytest.raises(SystemExit, match=r"^sljax: checkpoint .*/two/checkpoints/4 holds layer groups of 1 layer\(s\) "
+                                       r"and a last group of 1; --tail_layers=2 asks for others: drop it to resume"):
+    train_in_process(tmp_path / "two", "--steps=6", *schedule, "--tail_layers=2")
+
+
 def test_a_run_shorter_than_the_warmup_trains(tmp_path, capsys):
   flags.FLAGS.unparse_flags()
   flags.FLAGS(["train.py", f"--workdir={tmp_path}", *[f for f in TINY if not f.startswith("--warmup_steps")],
