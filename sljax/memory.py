@@ -196,6 +196,7 @@ def prefetch(items: Iterable, fetch: Callable) -> Iterator:
   for item in items:
     current, upcoming = upcoming, fetch(item)
     yield current
+    del current  # the caller's now: not held here through the next fetch (it may be freed once used)
   yield upcoming
 
 

@@ -75,9 +75,9 @@ class EngineConfig:
 # Replaced host buffers are freed this many retirements (about two layer groups) after their last copy was issued.
 RETIRE_LAG = 4
 # Host groups whose state may be on the device for an update at once: the one being written back while the next
-# arrives (with clipping, also those brought in ahead of their updates). Python dispatches far ahead of the device,
-# so without this bound every host group's state would be brought in at once, more than the device holds for
-# llama13b.
+# arrives (with clipping, counting those brought in ahead of their updates, with their parked gradients, until the
+# updates have run). Python dispatches far ahead of the device, so without this bound every host group's state would
+# be brought in at once, more than the device holds for llama13b.
 UPDATES_IN_FLIGHT = 2
 # With clipped updates parked, a group's state (and parked gradient) is brought in this many groups before its
 # forward: one group's forward (4 x 16 ms for llama13b) is shorter than a host group's 4.6 GB copy (86 ms), so one
@@ -153,10 +153,11 @@ def retired_host_bytes(on_device: list[bool], state: list[int], weights: list[in
   the retirements and replacements of a steady `Engine.step` in their order, over two steps (the lag carries over).
   Per group g: `state` its master weights + optimizer state, `weights` its compute copy (0 where it keeps none),
   `parked` its parked gradient (0 without clipping). A device group's retirements hold no host bytes, but they count
-  towards the lag."""
+  towards the lag. A host group's parked gradient is dropped when it is taken to the device, so it leaves room in
+  the parked gradients' bytes (counted whole beside these) until the backward parks a new one."""
   groups, last = len(on_device), len(on_device) - 1
   sizes = {"state": state, "weights": weights, "parked": parked}
-  events = []  # ("retire", parts) or ("replace", parts); a part is (what, group)
+  events = []  # ("retire" | "replace" | "taken", parts); a part is (what, group)
   retire = lambda *parts: events.append(("retire", [p for p in parts if not on_device[p[1]]]))
   replace = lambda *parts: events.append(("replace", parts))
   if not any(parked):
@@ -171,30 +172,37 @@ def retired_host_bytes(on_device: list[bool], state: list[int], weights: list[in
   else:
     # The forward brings each group's state and parked gradient in STATE_LEAD groups ahead (and one further, as the
     # weight stream fetches one item ahead), a host group's only while fewer than UPDATES_IN_FLIGHT host groups are
-    # waiting for their updates (`Engine._fetch`); each group's update, before its forward, retires its old compute
-    # copy and makes the new state. The backward parks the new gradients.
-    taken, waiting = 0, set()  # waiting: host groups brought in ahead, not yet handed to their updates
+    # there before their updates have run (`Engine._fetch`; their new states are taken to have left); each group's
+    # update, before its forward, retires its old compute copy and makes the new state. The backward parks the new
+    # gradients.
+    taken, waiting = 0, set()  # waiting: host groups brought in whose updates have not run
     for g in range(groups + 1):
-      waiting.discard(g - 1)  # handed over by the fetch before this one
       while taken < min(g + STATE_LEAD, groups) and (
           taken == g or on_device[taken] or len(waiting) < UPDATES_IN_FLIGHT):
-        retire(("state", taken), ("parked", taken))
+        retire(("state", taken))
+        events.append(("taken", [] if on_device[taken] else [("parked", taken)]))  # dropped: freed once it has come
         waiting |= set() if on_device[taken] else {taken}
         taken += 1
-      if g:
+      if g:  # group g - 1's update, issued once group g's fetch is (the weight stream fetches one item ahead)
         retire(("weights", g - 1))
         replace(("state", g - 1), ("weights", g - 1))
+        waiting.discard(g - 1)
     for g in range(last, -1, -1):
       replace(("parked", g))
   alive, most = collections.deque(maxlen=RETIRE_LAG), 0  # retired entries: {part: replaced yet}
+  gone = set()  # parked gradients taken to the device and not parked again yet: room in what the plan counts
   for i, (kind, parts) in enumerate(events * 2):
     if kind == "retire":
       alive.append(dict.fromkeys(parts, False))
+    elif kind == "taken":
+      gone |= set(parts)
     else:
       for entry in alive:
         entry.update({part: True for part in parts if part in entry})
+      gone -= set(parts)
     if i >= len(events):  # the second step: steady
-      most = max(most, sum(sizes[what][g] for entry in alive for (what, g), done in entry.items() if done))
+      held = sum(sizes[what][g] for entry in alive for (what, g), done in entry.items() if done)
+      most = max(most, held - sum(sizes[what][g] for what, g in gone))
   return most
 
 
@@ -534,7 +542,7 @@ class Engine:
         # not held (as ~30 GiB for llama13b) through the step that parks the next ones.
         grads, parked["grads"][ahead] = parked["grads"][ahead], None
         arriving[ahead] = self._take((groups[ahead]["master"], groups[ahead]["opt"], grads))
-      return arriving.pop(g)
+      return arriving[g]  # counted there until its update has run (`_settle_group`)
     return self._fetch_weights(groups[g])
 
   def _settle_group(self, g: int, fetched, groups: list, parked: dict | None):
@@ -546,6 +554,7 @@ class Engine:
     master, opt_state = self._update(master, opt_state, grads, parked["norm"], parked["ok"])
     self._retire(groups[g].get("weights"))  # the old compute copy: its last fetch was the last step's backward
     groups[g] = self._written(g, self._make_group(g, master, opt_state))
+    del parked["arriving"][g]  # its new state is counted as it leaves (`_written`)
     return self.place.gather(self._cast(master) if self.separate_weights else master)
 
   def _take_state(self, g: int, group: dict):
@@ -555,14 +564,16 @@ class Engine:
 
   def _admit(self, g: int, arriving: int = 0, needed_now: bool = True) -> bool:
     """Whether host group g's state may come to the device now: at most UPDATES_IN_FLIGHT host groups' state (with
-    clipping, with their parked gradients) counted there, the `arriving` ones, brought in ahead of their updates, and
-    those whose new state is still leaving. Waits for the oldest of the latter to have left; False (no wait) when the
-    arriving ones alone fill the bound and g is not needed now. Not counted: a clipped group already handed to its
-    update (tests/test_plan.py's strict xfail shows the one more this lets in)."""
+    clipping, with their parked gradients) there, counting the `arriving` ones (brought in, their updates not run)
+    and those whose new state is still leaving. A group needed now waits for the oldest of the latter to have left
+    (it finds no other arriving but the one updated before it: those after it come in after it); one brought in
+    ahead never waits: False when the bound is full, and it comes on a later group's turn."""
     if self.state_on_device[g]:
       return True
-    if arriving >= UPDATES_IN_FLIGHT and not needed_now:
-      return False
+    while self._written_back and all(x.is_ready() for x in _alive(self._written_back[0])):
+      self._written_back.popleft()  # its copies out have landed, freeing its device buffers
+    if not needed_now:
+      return len(self._written_back) + arriving < UPDATES_IN_FLIGHT
     while self._written_back and len(self._written_back) + arriving >= UPDATES_IN_FLIGHT:
       jax.block_until_ready(_alive(self._written_back.popleft()))  # its buffers are freed once it has left
     return True

@@ -164,7 +164,7 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
   directory = os.path.join(run_cfg.workdir, "checkpoints")
   if run_cfg.checkpoint_every:  # before anything is written: a run must not find out at its first save
     check_disk(directory, tree_bytes(engine.abstract(key)), run_cfg.keep_checkpoints,
-               saves=run_cfg.steps // run_cfg.checkpoint_every + 1)
+               saves=-(-run_cfg.steps // run_cfg.checkpoint_every))  # the last step's save, if not one of them
   checkpointer = Checkpointer(directory, run_cfg.checkpoint_every, run_cfg.keep_checkpoints)
 
   def newest_good_state() -> tuple[int, object, dict]:  # checkpoints are only ever saved from good states

@@ -276,6 +276,16 @@ def test_a_disk_too_small_for_the_checkpoints_is_refused_before_anything_is_writ
   assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
 
 
+@pytest.mark.parametrize("steps,saves", [(2, 1), (3, 2), (4, 2)])
+def test_the_disk_check_counts_the_saves_the_run_makes(tmp_path, monkeypatch, steps, saves):
+  """Every 2 steps, and the last step's unless it is one of them: a disk that holds one checkpoint suits a run that
+  saves once (it was once asked for two)."""
+  counted = []
+  monkeypatch.setattr(trainer, "check_disk", lambda *args, saves: counted.append(saves))
+  train(tmp_path / "run", f"--steps={steps}", "--checkpoint_every=2", *ENGINES["device"])
+  assert counted == [saves] and len(os.listdir(tmp_path / "run" / "checkpoints")) == min(saves, 2)
+
+
 def test_a_run_whose_updates_poison_the_state_saves_nothing_and_says_so(tmp_path, monkeypatch):
   make_engine = launch.all_on_device
 
