@@ -25,13 +25,13 @@ README = os.path.join(REPO, "README.md")
 flags.DEFINE_bool("write", False, "Rewrite the README's tables instead of printing them.")
 FLAGS = flags.FLAGS
 
-# What each row ran, in words the files do not hold (their numbers come from the files).
+# What each row ran, in words the files do not hold (their numbers come from the files; {field}: the row's engine's).
 TRAIN_THROUGHPUT_CASES = {
     "big_clip": "llama13b as `train.py --model=llama13b` builds it (batch 32 = 4 x 8, clip 1.0, bf16 first moment, "
-                "26 of 40 groups' state on the GPU)",
-    "big": "llama13b, batch 32, clipping off, fp32 moments (29 of 40 on the GPU)",
-    "llama7b": "all 32 layers, the offload engine's plan (8 x 2048, everything on the GPU, clip 1.0, a tail of 2 "
-               "layers)",
+                "{device_state_groups} of 40 groups' state on the GPU)",
+    "big": "llama13b, batch 32, clipping off, fp32 moments ({device_state_groups} of 40 on the GPU)",
+    "llama7b": "all 32 layers, the offload engine's plan (8 x 2048, everything on the GPU, clip 1.0, a tail of "
+               "{tail_layers} layers)",
     "fits/device_remat": "llama7b shape, 8 layers, batch 16, the all-on-device jitted step with remat",
     "fits/device_no_remat": "the same without remat (fits: 16 x 2048 of 8 layers)",
     "fits/engine": "the engine, plan placement (everything on the GPU; 2 sub-batches of 8; all 8 layers one tail "
@@ -72,7 +72,7 @@ def _table(header: list[str], align: list[str], rows: list[list[str]]) -> str:
 
 def train_throughput() -> str:
   cases = {r["case"]: r for r in _load("train_throughput_h200.json")["results"]}
-  rows = [[f"`{name}`: {words}", f"{cases[name]['tokens_per_s']:,.0f}", _percent(cases[name]["mfu"]),
+  rows = [[f"`{name}`: {words.format(**cases[name].get('engine', {}))}", f"{cases[name]['tokens_per_s']:,.0f}", _percent(cases[name]["mfu"]),
            _percent(cases[name]["hfu"]), f"{cases[name]['step_seconds']:.2f}",
            _percent(cases[name].get("gpu_busy_fraction")), _percent(_kernels_of_untraced_step(cases[name])),
            _percent(cases[name].get("ceiling_mfu_full_recompute"))]
