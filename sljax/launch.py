@@ -281,9 +281,10 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   launch, model_cfg, data_cfg, optim_cfg = request.launch, configs.model, configs.data, configs.optim
   device = jax.devices()[0]
   target = MACHINES[launch.target] if launch.target else None
+  resumed = resumed_engine_state(request, configs.run.workdir, model_cfg.num_layers)
   mode = launch.engine
   if mode == "auto":
-    mode = "device" if fits_on_device(launch, model_cfg, optim_cfg, device) else "offload"
+    mode = "offload" if resumed or not fits_on_device(launch, model_cfg, optim_cfg, device) else "device"
   offload_only = [f"--{name}" for name in ("sub_batches", "live_layers", "tail_layers") if getattr(launch, name)]
   if mode == "device" and offload_only and not launch.plan:
     chosen = "the auto engine chose the on-device step (the training state fits)" if launch.engine == "auto" else (
@@ -305,7 +306,10 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   budget = plan_budget(launch, device, target, local)
   model = build(model_cfg)
   planned = batch_planned(request, model_cfg)
-  live_layers, tail_layers = resumed_layout(launch, configs.run.workdir, model_cfg.num_layers)
+  live_layers, tail_layers = launch.live_layers, launch.tail_layers
+  if resumed:
+    live_layers, tail_layers = resumed.live_layers, resumed.tail_layers
+    optim_cfg = dataclasses.replace(optim_cfg, moments_dtype=resumed.moments_dtype or optim_cfg.moments_dtype)
 
   def plan_with(optim_cfg):  # the plan sizes one device's work: its rows, its 1/fsdp share of the layer state
     args = dict(sub_batches=launch.sub_batches, live_layers=live_layers, tail_layers=tail_layers,
@@ -319,7 +323,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
     (plan, why), error = plan_with(optim_cfg), None
   except ValueError as fp32_error:
     (plan, why), error = (None, None), fp32_error
-  if "moments_dtype" not in request.optim and optim_cfg.moments_dtype == "float32" and (
+  if "moments_dtype" not in request.optim and not resumed and optim_cfg.moments_dtype == "float32" and (
       plan is None or (planned and not plan.compute_bound)):
     bf16 = dataclasses.replace(optim_cfg, moments_dtype="bfloat16")
     try:
@@ -360,28 +364,44 @@ def check_lora_request(launch: LaunchConfig):
                      f"budgets apply)")
 
 
-def resumed_layout(launch: LaunchConfig, workdir: str, num_layers: int) -> tuple[int, int]:
-  """(live_layers, tail_layers) for the plan: those of the offload engine's checkpoint this run resumes from, whose
-  layer groups are its state's structure, whatever the plan would choose now (another budget, a newer planner);
-  else the flags' (0: the plan chooses). ValueError when the flags ask for other groups than the checkpoint's."""
-  saved = saved_group_layers(workdir)
-  if saved is None or sum(saved[1]) != num_layers:  # nothing to resume (or another model's: the trainer says so)
-    return launch.live_layers, launch.tail_layers
+class Resumed(NamedTuple):
+  """What the offload engine's checkpoint a run resumes from fixes, being its state's structure, whatever the plan
+  would choose now (another budget, a newer planner): the engine, its layer groups, its first moment's dtype."""
+
+  step_dir: str
+  live_layers: int
+  tail_layers: int
+  moments_dtype: str | None
+
+
+def resumed_engine_state(request: Request, workdir: str, num_layers: int) -> Resumed | None:
+  """The offload engine's checkpoint in `workdir` that this run resumes from, None where there is none (or another
+  model's: the trainer says so). ValueError when the flags ask for another engine, other layer groups or another
+  first moment than the checkpoint holds."""
+  launch, saved = request.launch, saved_group_layers(workdir)
+  if saved is None or sum(saved[1]) != num_layers:
+    return None
   step_dir, group_layers = saved
   try:
     live, tail = schedule.layout_of(group_layers)
   except ValueError:
-    return launch.live_layers, launch.tail_layers
-  asked = schedule.group_bounds(num_layers, launch.live_layers or live, launch.tail_layers or tail)
-  if asked != schedule.group_bounds(num_layers, live, tail):
-    flags = " ".join(f"--{name}={getattr(launch, name)}" for name in ("live_layers", "tail_layers")
-                     if getattr(launch, name))
-    raise ValueError(f"checkpoint {step_dir} holds layer groups of {live} layer(s) and a last group of {tail}; "
-                     f"{flags} asks for others: drop {'them' if ' ' in flags else 'it'} to resume, or use another "
-                     f"--workdir")
-  print(f"note: resuming from {step_dir}: its layer groups are kept ({live} layer(s) per group, the last group "
-        f"{tail})")
-  return live, tail
+    return None
+  moments = newest_checkpoint(workdir)[1].get("optim", {}).get("moments_dtype")
+  asked = []
+  if launch.engine == "device":
+    asked.append("--engine=device")
+  if schedule.group_bounds(num_layers, launch.live_layers or live, launch.tail_layers or tail) != (
+      schedule.group_bounds(num_layers, live, tail)):
+    asked += [f"--{name}={getattr(launch, name)}" for name in ("live_layers", "tail_layers") if getattr(launch, name)]
+  if moments and request.optim.get("moments_dtype", moments) != moments:
+    asked.append(f"--moments_dtype={request.optim['moments_dtype']}")
+  held = (f"the offload engine's state, in layer groups of {live} layer(s) and a last group of {tail}, with a "
+          f"{moments or 'float32'} first moment")
+  if asked:
+    raise ValueError(f"checkpoint {step_dir} holds {held}; {' '.join(asked)} asks for another: drop "
+                     f"{'them' if len(asked) > 1 else 'it'} to resume, or use another --workdir")
+  print(f"note: resuming from {step_dir}, which holds {held}: kept")
+  return Resumed(step_dir, live, tail, moments)
 
 
 def choose_lora_engine(request: Request, configs: Configs) -> tuple:

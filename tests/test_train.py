@@ -49,25 +49,29 @@ def test_resumed_run_continues_the_step_count_and_matches_an_uninterrupted_run(t
   assert train_in_process(tmp_path / "two", "--steps=6", *schedule) == {}  # already done
 
 
-def test_an_offload_run_resumes_with_its_checkpoints_layer_groups_whatever_the_plan_chooses_now(tmp_path, capsys):
-  """A checkpoint's layer groups are its state's structure: a resume keeps them where the plan (a newer planner,
-  another budget) would now choose others, here one tail group of both layers instead of one layer per group."""
-  schedule = ["--engine=offload", "--sub_batches=2", "--decay_steps=4", "--checkpoint_every=2"]
-  groups = ["--live_layers=1", "--tail_layers=1"]
-  uninterrupted = train_in_process(tmp_path / "one", "--steps=4", *schedule, *groups)
-  train_in_process(tmp_path / "two", "--steps=2", *schedule, *groups)
+def test_an_offload_run_resumes_with_its_checkpoints_structure_whatever_the_plan_and_the_recipe_choose_now(tmp_path,
+                                                                                                           capsys):
+  """A checkpoint's engine, layer groups and first-moment dtype are its state's structure: a resume keeps them where
+  the request now leaves them to the auto engine (which would run this tiny model on the device), the plan (one tail
+  group of both layers) and the recipe (an fp32 first moment)."""
+  steps = ["--sub_batches=2", "--decay_steps=4", "--checkpoint_every=2"]
+  chosen = ["--engine=offload", "--live_layers=1", "--tail_layers=1", "--moments_dtype=bfloat16"]
+  uninterrupted = train_in_process(tmp_path / "one", "--steps=4", *steps, *chosen)
+  train_in_process(tmp_path / "two", "--steps=2", *steps, *chosen)
   capsys.readouterr()
-  train_in_process(tmp_path / "planned", "--steps=1", *schedule)
+  train_in_process(tmp_path / "planned", "--steps=1", *steps, "--engine=offload")
   assert "the last 2 layers one group" in capsys.readouterr().out  # what the plan chooses for this model now
-  resumed = train_in_process(tmp_path / "two", "--steps=4", *schedule)
+  resumed = train_in_process(tmp_path / "two", "--steps=4", *steps)
   out = capsys.readouterr().out
-  assert f"note: resuming from {tmp_path / 'two' / 'checkpoints' / '2'}: its layer groups are kept (1 layer(s) per " \
-         "group, the last group 1)" in out, out
+  held = ("the offload engine's state, in layer groups of 1 layer(s) and a last group of 1, with a bfloat16 first "
+          "moment")
+  assert f"note: resuming from {tmp_path / 'two' / 'checkpoints' / '2'}, which holds {held}: kept" in out, out
   assert sorted(resumed) == [3, 4]
   np.testing.assert_allclose([resumed[3], resumed[4]], [uninterrupted[3], uninterrupted[4]], rtol=1e-6)
-  with pytest.raises(SystemExit, match=r"^sljax: checkpoint .*/two/checkpoints/4 holds layer groups of 1 layer\(s\) "
-                                       r"and a last group of 1; --tail_layers=2 asks for others: drop it to resume"):
-    train_in_process(tmp_path / "two", "--steps=6", *schedule, "--tail_layers=2")
+  for asked in (["--tail_layers=2"], ["--engine=device", "--moments_dtype=float32"]):
+    with pytest.raises(SystemExit, match=rf"^sljax: checkpoint .*/two/checkpoints/4 holds {re.escape(held)}; "
+                                         rf"{' '.join(asked)} asks for another: drop (it|them) to resume"):
+      train_in_process(tmp_path / "two", "--steps=6", *steps, *asked)
 
 
 def test_a_run_shorter_than_the_warmup_trains(tmp_path, capsys):
