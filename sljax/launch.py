@@ -368,7 +368,6 @@ class Resumed(NamedTuple):
   """What the offload engine's checkpoint a run resumes from fixes, being its state's structure, whatever the plan
   would choose now (another budget, a newer planner): the engine, its layer groups, its first moment's dtype."""
 
-  step_dir: str
   live_layers: int
   tail_layers: int
   moments_dtype: str | None
@@ -401,7 +400,7 @@ def resumed_engine_state(request: Request, workdir: str, num_layers: int) -> Res
     raise ValueError(f"checkpoint {step_dir} holds {held}; {' '.join(asked)} asks for another: drop "
                      f"{'them' if len(asked) > 1 else 'it'} to resume, or use another --workdir")
   print(f"note: resuming from {step_dir}, which holds {held}: kept")
-  return Resumed(step_dir, live, tail, moments)
+  return Resumed(live, tail, moments)
 
 
 def choose_lora_engine(request: Request, configs: Configs) -> tuple:
