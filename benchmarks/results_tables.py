@@ -72,8 +72,8 @@ def _table(header: list[str], align: list[str], rows: list[list[str]]) -> str:
 
 def train_throughput() -> str:
   cases = {r["case"]: r for r in _load("train_throughput_h200.json")["results"]}
-  rows = [[f"`{name}`: {words.format(**cases[name].get('engine', {}))}", f"{cases[name]['tokens_per_s']:,.0f}", _percent(cases[name]["mfu"]),
-           _percent(cases[name]["hfu"]), f"{cases[name]['step_seconds']:.2f}",
+  rows = [[f"`{name}`: {words.format(**cases[name].get('engine', {}))}", f"{cases[name]['tokens_per_s']:,.0f}",
+           _percent(cases[name]["mfu"]), _percent(cases[name]["hfu"]), f"{cases[name]['step_seconds']:.2f}",
            _percent(cases[name].get("gpu_busy_fraction")), _percent(_kernels_of_untraced_step(cases[name])),
            _percent(cases[name].get("ceiling_mfu_full_recompute"))]
           for name, words in TRAIN_THROUGHPUT_CASES.items()]

@@ -227,7 +227,7 @@ def test_groups_cover_the_layers_in_order_with_the_tail_last(case):
 @given(st.integers(1, 12).flatmap(lambda layers: st.tuples(st.just(layers), st.integers(1, layers + 1),
                                                           st.integers(0, layers))))
 def test_a_layout_is_read_back_from_its_groups_sizes(case):
-  """How a resume finds a checkpoint's layout (sljax.launch.resumed_layout): from its groups' layer counts."""
+  """How a resume finds a checkpoint's layout (sljax.launch.resumed_engine_state): from its groups' layer counts."""
   bounds = group_bounds(*case)
   assert group_bounds(case[0], *layout_of([b - a for a, b in bounds])) == bounds
 
