@@ -17,7 +17,8 @@ import optax
 from models.presets import build, get_config
 from sljax.machines import GIB, REFERENCE, Budget, Machine, rates_of
 from sljax.memory import tree_bytes
-from sljax.schedule import Engine, EngineConfig, group_bounds, in_flight_bytes, retired_host_bytes, state_on_device
+from sljax.schedule import (Engine, EngineConfig, group_bounds, in_flight_bytes, retired_host_bytes,
+                            state_on_device, step_peak_bytes)
 from sljax.sizes import model_sizes
 
 # A step is compute-bound "with a margin" when its predicted compute is at least this many times its copies: on the
@@ -31,6 +32,8 @@ SUB_BATCH_TOKENS = 16384  # tokens per sub-batch call the plan aims at: enough t
 # 8.5 GiB on the H200 ("compiled step peak" in the plans of benchmarks/results/train_throughput_h200.json and
 # train_scaling*_h200x2.json, printed to 0.1 GiB). See gpu_peak_from_cpu.
 GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(8.5 * GIB)
+# The device part, with clipping, that takes away what the compiled step peak and the parked gradients count twice.
+NEVER_TOGETHER = "peak and parked grads never together"
 
 
 class Phase(NamedTuple):
@@ -154,14 +157,12 @@ def _call_peak(model, call: str, layers: int, sub_batch: int, seq_len: int) -> i
   return _PEAKS[key]
 
 
-def _peak_step_bytes(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> int:
-  """The largest per-sub-batch call's compiled peak: the last group's (its own layers, residuals kept) or another
-  group's backward."""
+def _step_peaks(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> tuple[int, int]:
+  """The compiled peaks of the per-sub-batch calls: the last group's (its own layers, residuals kept) and another
+  group's backward (0 where the last group is the only one)."""
   bounds = group_bounds(model.cfg.num_layers, cfg.live_layers, cfg.tail_layers)
-  peaks = [_call_peak(model, "last_group", bounds[-1][1] - bounds[-1][0], sub_batch, seq_len)]
-  if len(bounds) > 1:
-    peaks.append(_call_peak(model, "backward", cfg.live_layers, sub_batch, seq_len))
-  return max(peaks)
+  backward = _call_peak(model, "backward", cfg.live_layers, sub_batch, seq_len) if len(bounds) > 1 else 0
+  return _call_peak(model, "last_group", bounds[-1][1] - bounds[-1][0], sub_batch, seq_len), backward
 
 
 def gpu_peak_from_cpu(cpu_peak: int) -> int:
@@ -175,7 +176,7 @@ def gpu_peak_from_cpu(cpu_peak: int) -> int:
   with seq_len (the CPU's attention part grows as seq^2, the GPU's does not, so at shorter sequences it undershoots),
   with other families (OPT), with several layers per group, or on another GPU or XLA version."""
   reference = build(dataclasses.replace(get_config(GPU_PEAK_MODEL), remat=False))
-  cpu_reference = _peak_step_bytes(reference, EngineConfig(), GPU_PEAK_ROWS, GPU_PEAK_SEQ)
+  cpu_reference = max(_step_peaks(reference, EngineConfig(), GPU_PEAK_ROWS, GPU_PEAK_SEQ))
   return int(cpu_peak * GPU_PEAK_BYTES / cpu_reference)
 
 
@@ -272,9 +273,9 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   stash = (groups - 1) * n * act  # every group's input but the last group's
 
   cfg = EngineConfig(sub_batches=n, live_layers=live, grad_clip_norm=grad_clip_norm, tail_layers=tail)
-  peak = _peak_step_bytes(model, cfg, sub_batch, seq_len)
+  peaks = _step_peaks(model, cfg, sub_batch, seq_len)
   if target is not None and jax.devices()[0].platform == "cpu":
-    peak = gpu_peak_from_cpu(peak)
+    peaks = tuple(gpu_peak_from_cpu(peak) for peak in peaks)
   # Clipping by the exact global norm holds every group's reduced gradient until the next step's forward updates the
   # group: a group whose state lives on the device parks it there, a host group in pinned host memory (a crossing
   # each way).
@@ -282,36 +283,43 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   parked = live * parked_per_layer
   # What the step keeps in flight (the schedule's own account of it), then the compiled calls' scratch. Where every
   # group's state fits on the device beside it, no state moves, and nothing is in flight for the updates.
-  fixed = lambda host_state: dict(
-      in_flight_bytes(sizes, cfg, sub_batch, seq_len, state_per_layer, opt_bytes, fsdp, host_state),
-      **{"compiled step peak": peak})
-  per_layer = state_per_layer + parked_per_layer
+  fixed = lambda host_state: in_flight_bytes(sizes, cfg, sub_batch, seq_len, state_per_layer, opt_bytes, fsdp,
+                                             host_state)
+  # The layers whose state (and parked gradient) the device keeps, with the compiled calls' scratch beside them: the
+  # parked gradients are never there together with the last group's call (sljax.schedule.step_peak_bytes).
+  needs = lambda layers: layers * state_per_layer + step_peak_bytes(*peaks, layers * parked_per_layer)
   fixed_device = fixed(host_state=False)
-  if budget.device_bytes - sum(fixed_device.values()) < sizes.num_layers * per_layer:
+  if budget.device_bytes - sum(fixed_device.values()) < needs(sizes.num_layers):
     fixed_device = fixed(host_state=True)
   free = budget.device_bytes - sum(fixed_device.values())
-  if free < 0:
-    raise ValueError(f"{sum(fixed_device.values()) / GIB:.1f} GiB of device memory is needed for one group's step "
-                     f"(sub-batch {sub_batch} x {seq_len}), but the device has {budget.device_bytes / GIB:.1f} GiB; "
-                     f"lower the sub-batch size or the sequence length")
+  if free < needs(0):
+    raise ValueError(f"{(sum(fixed_device.values()) + needs(0)) / GIB:.1f} GiB of device memory is needed for one "
+                     f"group's step (sub-batch {sub_batch} x {seq_len}), but the device has "
+                     f"{budget.device_bytes / GIB:.1f} GiB; lower the sub-batch size or the sequence length")
 
   resident = lambda device_groups: sum(  # layers whose state the device keeps
       b - a for (a, b), on_device in zip(bounds, state_on_device(groups, device_groups)) if on_device)
-  on_host, device_groups = free < sizes.num_layers * per_layer + stash, groups
-  while on_host and device_groups and resident(device_groups) * per_layer > free:
+  on_host, device_groups = free < needs(sizes.num_layers) + stash, groups
+  while on_host and device_groups and needs(resident(device_groups)) > free:
     device_groups -= 1  # all on the device if it all fits (no PCIe traffic); else the stash first, then state
   if last_layers > live and not state_on_device(groups, device_groups)[-1]:
+    room = max(n for n in range(sizes.num_layers + 1) if n == 0 or needs(n) <= free)
     raise ValueError(f"a tail of {last_layers} layers needs its state on the device, which has room for the state of "
-                     f"{max(free, 0) // per_layer} layer(s)")
+                     f"{room} layer(s)")
   device_layers = resident(device_groups)
   host_layers, host_groups = sizes.num_layers - device_layers, groups - device_groups
-  device_bytes = dict(fixed_device, **{"resident group state": device_layers * state_per_layer,
+  device_bytes = dict(fixed_device, **{"compiled step peak": max(peaks),
+                                       "resident group state": device_layers * state_per_layer,
                                        "activation stash": 0 if on_host else stash})
   host_weights = host_layers * sizes.layer_weight_bytes // fsdp if sizes.separate_weights else 0
   host_bytes = {"group weights": host_weights, "group state": host_layers * state_per_layer,
                 "activation stash": stash if on_host else 0}
   if parked:
     device_bytes["parked grads (clipping)"] = device_layers * parked_per_layer
+    # Less what the last group's call and the parked gradients never hold together (a negative part, or none).
+    apart = needs(device_layers) - device_layers * state_per_layer - max(peaks) - device_layers * parked_per_layer
+    if apart:
+      device_bytes[NEVER_TOGETHER] = apart
     host_bytes["parked grads (clipping)"] = host_layers * parked_per_layer
   layers = [b - a for a, b in bounds]
   host_bytes["replaced, awaiting their free"] = retired_host_bytes(

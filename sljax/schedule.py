@@ -147,6 +147,14 @@ def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: in
   return footprint
 
 
+def step_peak_bytes(last_group_peak: int, backward_peak: int, parked_on_device: int) -> int:
+  """The most device bytes that the compiled calls' scratch and the gradients parked on the device (clipping) take
+  together over `Engine.step`: the last group's call runs after the forward has applied every parked update and
+  before the backward parks the new ones, so beside none of them; each other group's backward (recompute included)
+  runs beside up to all of them. peaks: XLA's temp + output bytes of one sub-batch call (0: no such call)."""
+  return max(last_group_peak, backward_peak + parked_on_device)
+
+
 def retired_host_bytes(on_device: list[bool], state: list[int], weights: list[int], parked: list[int]) -> int:
   """The most pinned host bytes that replaced host buffers still hold while they wait RETIRE_LAG retirements to be
   freed (`Engine._retire`), beyond each group's one copy: a retired buffer counts once its replacement exists. Walks

@@ -39,16 +39,19 @@ def budget_keeping(model, seq, rows, fsdp, device_groups, sub_batches=0, clip=0.
                          optimizer=optimizer, tail_layers=1)  # one layer per group, the last too
   assert not everything.engine.activations_on_host  # the huge budget keeps it all on the device
   groups = everything.engine.device_state_groups
-  per_group_kinds = ("resident group state", "parked grads (clipping)")
-  per_group = sum(everything.device_bytes.get(kind, 0) for kind in per_group_kinds) // groups
-  fixed = sum(everything.device_bytes.values()) - groups * per_group - everything.device_bytes["activation stash"]
+  state, parked = (everything.device_bytes.get(kind, 0) // groups
+                   for kind in ("resident group state", "parked grads (clipping)"))
+  # The compiled calls' scratch beside the parked gradients, by phase (sljax.schedule.step_peak_bytes).
+  peaks = planner._step_peaks(model, everything.engine, everything.sub_batch_size, seq)
+  device = lambda groups: groups * state + schedule.step_peak_bytes(*peaks, groups * parked)
+  fixed = sum(everything.device_bytes.values()) - device(groups) - everything.device_bytes["activation stash"]
   # A placement with host groups also holds their state in flight for the updates (the all-resident one does not).
   sizes = model_sizes(model)
   in_flight = lambda host_state: sum(schedule.in_flight_bytes(
       sizes, everything.engine, everything.sub_batch_size, seq,
       everything.device_bytes["resident group state"] // sizes.num_layers, 0, fsdp, host_state).values())
   fixed += (in_flight(True) - in_flight(False)) if device_groups < groups else 0
-  return Budget(device_bytes=fixed + device_groups * per_group + per_group // 2, host_bytes=1 << 40), groups
+  return Budget(device_bytes=fixed + device(device_groups) + (state + parked) // 2, host_bytes=1 << 40), groups
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -122,14 +125,20 @@ def test_devices_sharing_a_host_split_its_memory():
   assert abs(four.host_bytes - one.host_bytes / 4) <= 1
 
 
-def test_clipping_parks_each_groups_gradient_where_its_state_lives():
-  model = tiny_model(6, 32)
+@pytest.mark.parametrize("hidden, kept", [(32, 2), (256, 1)])
+def test_clipping_parks_each_groups_gradient_where_its_state_lives(hidden, kept):
+  """The parked gradients take device room only beyond what the last group's call leaves: they are there beside the
+  other groups' backward, never beside it (sljax.schedule.step_peak_bytes). At hidden 32 that call's scratch is the
+  larger by more than two groups' gradients, so clipping costs the device nothing; at 256 they cost one group."""
+  model = tiny_model(6, hidden)
   budget, groups = budget_keeping(model, 8, 4, 1, 2)  # room for 2 groups' state without clipping
   plain, clipped = make_plan(model, 8, 4, budget), make_plan(model, 8, 4, budget, grad_clip_norm=1.0)
-  assert plain.engine.device_state_groups == 2 and clipped.engine.device_state_groups == 1  # state + grads: 16/12
+  assert plain.engine.device_state_groups == 2 and clipped.engine.device_state_groups == kept
+  if kept == 2:
+    assert sum(clipped.device_bytes.values()) == sum(plain.device_bytes.values())
   parked = planner.model_sizes(model).layer_params * 4  # one group's fp32 gradient
-  assert clipped.device_bytes["parked grads (clipping)"] == parked
-  assert clipped.host_bytes["parked grads (clipping)"] == (groups - 1) * parked
+  assert clipped.device_bytes["parked grads (clipping)"] == kept * parked
+  assert clipped.host_bytes["parked grads (clipping)"] == (groups - kept) * parked
   assert sum(clipped.device_bytes.values()) <= budget.device_bytes
 
 
@@ -274,7 +283,8 @@ def _live_peaks(clip: float, resident: bool = False) -> tuple[dict, dict]:
       peaks[kind] = max(peaks[kind], sum(x.nbytes for x in live if x.sharding.memory_kind == kind))
 
   plan = _observed_steps(clip, observe, steps=4, resident=resident)
-  planned = {"device": sum(plan.device_bytes.values()) - plan.device_bytes["compiled step peak"],
+  scratch = ("compiled step peak", planner.NEVER_TOGETHER)
+  planned = {"device": sum(v for kind, v in plan.device_bytes.items() if kind not in scratch),
              "pinned_host": sum(plan.host_bytes.values())}
   return peaks, planned
 
@@ -301,6 +311,32 @@ def test_live_device_bytes_reach_the_plan_when_every_groups_state_is_on_the_devi
   the tail shorter, and more layers recompute, than the device has room for."""
   peaks, planned = _live_peaks(clip, resident=True)
   assert 0.9 * planned["device"] <= peaks["device"] <= planned["device"], (peaks, planned)
+
+
+def test_the_last_groups_call_runs_beside_no_parked_gradient():
+  """What the plan takes away from the compiled peak and the parked gradients (planner.NEVER_TOGETHER, where the last
+  group's call is the largest): as the last group's call is dispatched, the forward has applied and dropped every
+  parked gradient, so the device holds the plan's live bytes less all of them."""
+  at_last_group = []
+
+  def prepare(engine):
+    last_group = engine._last_group
+
+    def observed(*args):
+      live = [x for x in jax.live_arrays() if not x.is_deleted() and x.sharding.memory_kind == "device"]
+      at_last_group.append({id(x): x.nbytes for x in live})
+      return last_group(*args)
+    engine._last_group = observed
+
+  gc.collect()
+  earlier = {id(x) for x in jax.live_arrays()}
+  plan = _observed_steps(1.0, lambda: None, steps=3, prepare=prepare, resident=True)
+  _, planned = _live_peaks(1.0, resident=True)
+  parked = plan.device_bytes["parked grads (clipping)"]
+  assert parked > 0 and plan.device_bytes[planner.NEVER_TOGETHER] < 0
+  n = plan.engine.sub_batches  # calls per step; the first step's run with nothing parked yet
+  held = [sum(size for i, size in live.items() if i not in earlier) for live in at_last_group[n:]]
+  assert len(held) == 2 * n and max(held) <= planned["device"] - parked, (held, planned["device"], parked)
 
 
 def test_clipped_host_groups_on_the_device_at_once_stay_within_updates_in_flight():
