@@ -220,6 +220,10 @@ def _alive(refs: list) -> list:
 
 
 def _add(acc, grads):
+  """acc + grads in fp32, in a per-device slot (leading axis); acc None (a group's first sub-batch): grads alone, so
+  no zeros are written and read back."""
+  if acc is None:
+    return jax.tree.map(lambda g: g.astype(jnp.float32)[None], grads)
   return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
 
 
@@ -476,7 +480,7 @@ class Engine:
     # The last group: forward, head + loss and backward in one call per sub-batch; nothing to stash.
     clipping, parked_grads = self.cfg.grad_clip_norm > 0, [None] * len(groups)
     w = forward_weights(last)
-    grads, outer_grads = self._zeros(w), self._zeros(outer)
+    grads = outer_grads = None  # the first sub-batch's call makes the accumulators (see _add)
     losses, cotangents, incoming = [], [], None
     for s, x in enumerate(level):
       loss, dx, grads, outer_grads = self._last_group(
@@ -496,7 +500,7 @@ class Engine:
     # flowing between groups stays on the device; only the stashed inputs come back.
     for g in range(last - 1, -1, -1):
       w = next(stream)
-      grads, dxs, incoming = self._zeros(w), [], None
+      grads, dxs, incoming = None, [], None
       for x, dy in zip(prefetch(boundaries.pop(), self._unstash), cotangents):
         dx, grads = self._backward(w, x, dy, grads)
         dxs.append(dx)
@@ -644,6 +648,7 @@ class Calls(NamedTuple):
   #                        -> (loss, dx, grads, outer_grads); donates x and both accumulators
   backward: Callable  # (weights, x, dy, grads) -> (dx, grads): recomputes the group's forward; donates x, grads
   embed_backward: Callable  # (outer, tokens, dx, outer_grads) -> outer_grads; donates outer_grads
+  # The accumulators (grads, outer_grads) may be None, for a first sub-batch: the calls then make them.
   zeros: Callable  # tree -> fp32 gradient accumulators, one slot per device (reduce with Placement.reduce)
   cast: Callable  # stacked layer params -> the same in the dtypes the layers run in (not jitted: for eval_shape)
   fetch_weights: Callable  # group state -> its weights in the dtypes they run in, whole on every device
