@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -421,17 +421,27 @@ def newest_checkpoint(directory: str) -> tuple[str, dict]:
     raise CheckpointCorruptError(_unreadable(step_dir, error)) from None
 
 
-def saved_group_layers(directory: str) -> tuple[str, list[int]] | None:
-  """(step directory, layers per group) of the newest checkpoint under `directory` when it holds the offload
-  engine's state (each group's stacked master weights give its layers); None when there is no readable one."""
+class SavedGroups(NamedTuple):
+  """The layer groups of an offload engine's checkpoint, from its manifest."""
+
+  step_dir: str
+  layers: list[int]  # per group: its stacked master weights' leading axis
+  host: list[bool]  # per group: holds a compute copy ("weights"), as a group whose state lives in host memory does
+
+
+def saved_groups(directory: str) -> SavedGroups | None:
+  """The newest checkpoint's layer groups under `directory` when it holds the offload engine's state; None when
+  there is no readable one."""
   try:
     step_dir = newest_checkpoint(directory)[0]
     arrays = read_manifest(os.path.join(step_dir, "state"))["arrays"]
   except (ValueError, _Garbled, OSError):
     return None  # the trainer says why it cannot resume from it
-  layers = {entry["path"][1]: entry["shape"][0] for entry in arrays
-            if entry["path"][0] == "groups" and entry["path"][2] == "master"}
-  return (step_dir, [layers[g] for g in sorted(layers)]) if layers else None
+  groups = [entry for entry in arrays if entry["path"][0] == "groups"]
+  layers = {entry["path"][1]: entry["shape"][0] for entry in groups if entry["path"][2] == "master"}
+  copies = {entry["path"][1] for entry in groups if entry["path"][2] == "weights"}
+  return SavedGroups(step_dir, [layers[g] for g in sorted(layers)], [g in copies for g in sorted(layers)]) if (
+      layers) else None
 
 
 def read_arrays(step_dir: str, wanted=lambda path: True) -> dict[tuple, np.ndarray]:

@@ -30,7 +30,7 @@ from models.config import ModelConfig
 from models.hf import HFWeights
 from models.presets import build, get_config, parse_overrides
 from sljax import metrics, schedule, trainer
-from sljax.checkpoint import newest_checkpoint, saved_group_layers
+from sljax.checkpoint import newest_checkpoint, saved_groups
 from sljax.data import DataConfig, Source, make_source
 from sljax.lora import (FINE_TUNING_LEARNING_RATE, LoraConfig, LoraEngine, LoraEngineConfig, LoraModel,
                         describe_base, lora_flops_per_token, plan_lora, random_base_key, run_meta, split_adapters)
@@ -41,6 +41,7 @@ from sljax.mesh import PER_DEVICE, check_batch, initialize_distributed, make_mes
 from sljax.optim import RECIPES, OptimConfig, learning_rate_schedule, make_optimizer, recipe_for
 from sljax.plan import make_plan, optimizer_bytes_per_param, plan_batch
 from sljax.schedule import EngineConfig
+from sljax.sizes import model_sizes
 from sljax.trainer import RunConfig
 
 DEFAULT_MODEL = "llama-tiny"
@@ -281,7 +282,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   launch, model_cfg, data_cfg, optim_cfg = request.launch, configs.model, configs.data, configs.optim
   device = jax.devices()[0]
   target = MACHINES[launch.target] if launch.target else None
-  resumed = resumed_engine_state(request, configs.run.workdir, model_cfg.num_layers)
+  resumed = resumed_engine_state(request, configs.run.workdir, model_cfg)
   mode = launch.engine
   if mode == "auto":
     mode = "offload" if resumed or not fits_on_device(launch, model_cfg, optim_cfg, device) else "device"
@@ -314,7 +315,8 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   def plan_with(optim_cfg):  # the plan sizes one device's work: its rows, its 1/fsdp share of the layer state
     args = dict(sub_batches=launch.sub_batches, live_layers=live_layers, tail_layers=tail_layers,
                 fsdp=mesh.shape["fsdp"], target=target, optimizer=make_optimizer(optim_cfg, clip=False),
-                grad_clip_norm=optim_cfg.grad_clip_norm)
+                grad_clip_norm=optim_cfg.grad_clip_norm,
+                device_state_groups=resumed.device_state_groups if resumed else None)
     if planned:
       return plan_batch(model, data_cfg.seq_len, budget, devices=mesh.size, **args)
     return make_plan(model, data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, **args), None
@@ -366,25 +368,33 @@ def check_lora_request(launch: LaunchConfig):
 
 class Resumed(NamedTuple):
   """What the offload engine's checkpoint a run resumes from fixes, being its state's structure, whatever the plan
-  would choose now (another budget, a newer planner): the engine, its layer groups, its first moment's dtype."""
+  would choose now (another budget, a newer planner): the engine, its layer groups, its first moment's dtype, and
+  (for a model whose host groups keep a compute copy of their weights, which device groups do not) which groups keep
+  their state on the device."""
 
   live_layers: int
   tail_layers: int
   moments_dtype: str | None
+  device_state_groups: int | None  # None: the structure does not fix it
 
 
-def resumed_engine_state(request: Request, workdir: str, num_layers: int) -> Resumed | None:
+def resumed_engine_state(request: Request, workdir: str, model_cfg) -> Resumed | None:
   """The offload engine's checkpoint in `workdir` that this run resumes from, None where there is none (or another
   model's: the trainer says so). ValueError when the flags ask for another engine, other layer groups or another
   first moment than the checkpoint holds."""
-  launch, saved = request.launch, saved_group_layers(workdir)
-  if saved is None or sum(saved[1]) != num_layers:
+  launch, saved, num_layers = request.launch, saved_groups(workdir), model_cfg.num_layers
+  if saved is None or sum(saved.layers) != num_layers:
     return None
-  step_dir, group_layers = saved
+  step_dir, group_layers = saved.step_dir, saved.layers
   try:
     live, tail = schedule.layout_of(group_layers)
   except ValueError:
     return None
+  device_groups = None
+  if model_sizes(build(model_cfg)).separate_weights:
+    device_groups = saved.host.count(False)
+    if schedule.state_on_device(len(saved.host), device_groups) != [not host for host in saved.host]:
+      return None
   moments = newest_checkpoint(workdir)[1].get("optim", {}).get("moments_dtype")
   asked = []
   if launch.engine == "device":
@@ -395,12 +405,13 @@ def resumed_engine_state(request: Request, workdir: str, num_layers: int) -> Res
   if moments and request.optim.get("moments_dtype", moments) != moments:
     asked.append(f"--moments_dtype={request.optim['moments_dtype']}")
   held = (f"the offload engine's state, in layer groups of {live} layer(s) and a last group of {tail}, with a "
-          f"{moments or 'float32'} first moment")
+          f"{moments or 'float32'} first moment"
+          + ("" if device_groups is None else f", {device_groups} of {len(group_layers)} groups' state on the device"))
   if asked:
     raise ValueError(f"checkpoint {step_dir} holds {held}; {' '.join(asked)} asks for another: drop "
                      f"{'them' if len(asked) > 1 else 'it'} to resume, or use another --workdir")
   print(f"note: resuming from {step_dir}, which holds {held}: kept")
-  return Resumed(live, tail, moments)
+  return Resumed(live, tail, moments, device_groups)
 
 
 def choose_lora_engine(request: Request, configs: Configs) -> tuple:

@@ -190,7 +190,7 @@ def optimizer_bytes_per_param(optimizer: optax.GradientTransformation, dtype=jnp
 def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches: int = 0, live_layers: int = 0,
               optimizer: optax.GradientTransformation | None = None, grad_clip_norm: float = 0.0,
               sub_batch_tokens: int = SUB_BATCH_TOKENS, fsdp: int = 1, target: Machine | None = None,
-              tail_layers: int = 0) -> Plan:
+              tail_layers: int = 0, device_state_groups: int | None = None) -> Plan:
   """Chooses the engine's settings for one device; 0 for sub_batches / live_layers / tail_layers means "choose".
   ValueError when it cannot fit.
 
@@ -200,6 +200,8 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   engine will run, whose state is sized per parameter (default: AdamW with fp32 moments, 8 bytes). target: plan for
   one GPU of that machine (its rates; made on a CPU, its compiled peak corrected by gpu_peak_from_cpu) instead of for
   this process's device (whose rates are the table's, or the reference machine's when it has none).
+  device_state_groups: keep this many groups' state on the device (a resumed checkpoint's placement, which its
+  state's structure fixes) instead of choosing; ValueError when they do not fit.
 
   The tail (EngineConfig.tail_layers): when every group's state stays on the device, the device memory left over
   goes to a longer last group, whose layers keep their residuals instead of being recomputed, as many as fit by the
@@ -218,7 +220,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
     raise ValueError(f"tail_layers must be in 0..{sizes.num_layers} (the model's layers), got {tail_layers}")
   machine = target or rates_of(jax.devices()[0].device_kind)
   layout = lambda tail: _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, optimizer,
-                                grad_clip_norm, fsdp, target, machine)
+                                grad_clip_norm, fsdp, target, machine, device_state_groups)
   plan = layout(tail_layers)
   first = _last_layers(plan)
   if tail_layers or not _all_resident(plan) or first == sizes.num_layers:
@@ -259,7 +261,7 @@ def _keeps_placement(plan: Plan, longer: Plan) -> bool:
 
 
 def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, optimizer, grad_clip_norm, fsdp, target,
-            machine) -> Plan:
+            machine, kept_groups=None) -> Plan:
   """make_plan's placement for one tail (0: the last group is the last of the live_layers groups)."""
   bounds = group_bounds(sizes.num_layers, live, tail)
   groups, n = len(bounds), batch_size // sub_batch
@@ -289,7 +291,8 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   # parked gradients are never there together with the last group's call (sljax.schedule.step_peak_bytes).
   needs = lambda layers: layers * state_per_layer + step_peak_bytes(*peaks, layers * parked_per_layer)
   fixed_device = fixed(host_state=False)
-  if budget.device_bytes - sum(fixed_device.values()) < needs(sizes.num_layers):
+  if budget.device_bytes - sum(fixed_device.values()) < needs(sizes.num_layers) or (
+      kept_groups is not None and kept_groups < groups):
     fixed_device = fixed(host_state=True)
   free = budget.device_bytes - sum(fixed_device.values())
   if free < needs(0):
@@ -300,12 +303,18 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   resident = lambda device_groups: sum(  # layers whose state the device keeps
       b - a for (a, b), on_device in zip(bounds, state_on_device(groups, device_groups)) if on_device)
   on_host, device_groups = free < needs(sizes.num_layers) + stash, groups
-  while on_host and device_groups and needs(resident(device_groups)) > free:
+  room = lambda: max(n for n in range(sizes.num_layers + 1) if n == 0 or needs(n) <= free)  # layers' state
+  if kept_groups is not None:
+    device_groups = kept_groups
+    if needs(resident(device_groups)) > free:
+      raise ValueError(f"the checkpoint resumed keeps the state of {device_groups} of {groups} groups "
+                       f"({resident(device_groups)} layers) on the device, which has room for that of {room()} "
+                       f"layer(s) at this batch; resume where the device has more memory")
+  while kept_groups is None and on_host and device_groups and needs(resident(device_groups)) > free:
     device_groups -= 1  # all on the device if it all fits (no PCIe traffic); else the stash first, then state
   if last_layers > live and not state_on_device(groups, device_groups)[-1]:
-    room = max(n for n in range(sizes.num_layers + 1) if n == 0 or needs(n) <= free)
     raise ValueError(f"a tail of {last_layers} layers needs its state on the device, which has room for the state of "
-                     f"{room} layer(s)")
+                     f"{room()} layer(s)")
   device_layers = resident(device_groups)
   host_layers, host_groups = sizes.num_layers - device_layers, groups - device_groups
   device_bytes = dict(fixed_device, **{"compiled step peak": max(peaks),

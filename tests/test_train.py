@@ -64,7 +64,7 @@ def test_an_offload_run_resumes_with_its_checkpoints_structure_whatever_the_plan
   resumed = train_in_process(tmp_path / "two", "--steps=4", *steps)
   out = capsys.readouterr().out
   held = ("the offload engine's state, in layer groups of 1 layer(s) and a last group of 1, with a bfloat16 first "
-          "moment")
+          "moment, 2 of 2 groups' state on the device")
   assert f"note: resuming from {tmp_path / 'two' / 'checkpoints' / '2'}, which holds {held}: kept" in out, out
   assert sorted(resumed) == [3, 4]
   np.testing.assert_allclose([resumed[3], resumed[4]], [uninterrupted[3], uninterrupted[4]], rtol=1e-6)
@@ -72,6 +72,27 @@ def test_an_offload_run_resumes_with_its_checkpoints_structure_whatever_the_plan
     with pytest.raises(SystemExit, match=rf"^sljax: checkpoint .*/two/checkpoints/4 holds {re.escape(held)}; "
                                          rf"{' '.join(asked)} asks for another: drop (it|them) to resume"):
       train_in_process(tmp_path / "two", "--steps=6", *steps, *asked)
+
+
+def test_a_resume_keeps_which_groups_keep_their_state_on_the_device(tmp_path, capsys):
+  """A host group's state holds a compute copy of its weights (the one that crosses PCIe) that a device group's does
+  not, so where the state lives is the checkpoint's structure too: a resume on a device with room for every group's
+  state keeps the checkpoint's 2 of 6 there, and one with room for fewer says so in one line."""
+  steps = ["--set=num_layers=6", "--sub_batches=2", "--decay_steps=4", "--checkpoint_every=2", "--engine=offload",
+           "--live_layers=1", "--tail_layers=1"]
+  small = "--device_memory_gib=0.0042"  # the tiny model's state of 2 of its 6 groups on the device, by the plan
+  uninterrupted = train_in_process(tmp_path / "one", "--steps=4", *steps, small)
+  train_in_process(tmp_path / "two", "--steps=2", *steps, small)
+  out = capsys.readouterr().out
+  assert "2 group(s) keep master weights + optimizer state on the device" in out, out
+  resumed = train_in_process(tmp_path / "two", "--steps=4", *steps)
+  out = capsys.readouterr().out
+  assert "2 of 6 groups' state on the device: kept" in out and "2 group(s) keep master weights" in out, out
+  assert sorted(resumed) == [3, 4]
+  np.testing.assert_allclose([resumed[3], resumed[4]], [uninterrupted[3], uninterrupted[4]], rtol=1e-6)
+  with pytest.raises(SystemExit, match=r"^sljax: the checkpoint resumed keeps the state of 2 of 6 groups \(2 layers\) "
+                                       r"on the device, which has room for that of 1 layer"):
+    train_in_process(tmp_path / "two", "--steps=6", *steps, "--device_memory_gib=0.0036")
 
 
 def test_a_run_shorter_than_the_warmup_trains(tmp_path, capsys):
