@@ -350,8 +350,8 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   print(f"plan for {model_name(launch)}{on}, batch {data_cfg.batch_size} x {data_cfg.seq_len}{per_device}:\n"
         f"{plan.describe()}")
   if target and device.platform == "cpu":
-    print("compiled step peak: this CPU's compile, scaled by the GPU/CPU ratio measured for llama13b at 8 x 2048 "
-          "(sljax.plan.gpu_peak_from_cpu): an estimate for other shapes")
+    print("compiled step peak: this CPU's compile of each call, scaled by the GPU/CPU ratio measured for that call "
+          "on llama13b at 8 x 2048 (sljax.plan.gpu_peak_from_cpu): an estimate for other shapes")
   return model_cfg, data_cfg, optim_cfg, dataclasses.replace(plan.engine, int8_exchange=launch.int8_exchange)
 
 

@@ -128,6 +128,23 @@ def test_plan_for_a_target_gpu_made_on_cpu_is_the_gpus_own(capsys):
   assert "replaced, awaiting their free 4.1)" in plan  # one host group's state and compute copy
 
 
+def test_the_readme_commands_plan_for_a_target_gpu_made_on_cpu_is_the_gpus_own(capsys):
+  """With clipping, the backward's compiled peak counts too (it runs beside the parked gradients): each call's peak
+  is corrected by its own GPU/CPU ratio. With the last group's ratio for both, this plan kept 26 groups' state on
+  the device where the H200's own keeps 27 (the big_clip row of benchmarks/results/train_throughput_h200.json)."""
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["train.py", "--model=llama13b", "--batch_size=32", "--max_tokens=100000", "--plan", "--target=h200"])
+  assert train.run() == {}
+  out = capsys.readouterr().out
+  with open(os.path.join(REPO, "benchmarks", "results", "train_throughput_h200.json")) as f:
+    gpu = next(case for case in json.load(f)["results"] if case["case"] == "big_clip")["launch_output"]
+  placement = lambda lines: [line for line in lines if line.startswith("sub-batches")]
+  device_parts = lambda lines: [line.split(" GiB (")[1] for line in lines if line.startswith("device:")]
+  lines = out.splitlines()
+  assert placement(lines) == placement(gpu) and "27 group(s)" in placement(lines)[0], out
+  assert device_parts(lines) == device_parts(gpu), out
+
+
 def test_profile_writes_a_trace(tmp_path):
   # The resumed runs' schedule (a schedule is compiled into the step): their compiled step serves this run too.
   train_in_process(tmp_path, "--steps=3", "--decay_steps=6", "--profile")
