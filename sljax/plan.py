@@ -331,9 +331,9 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   host_bytes = {"group weights": host_weights, "group state": host_layers * state_per_layer,
                 "activation stash": stash if on_host else 0}
   if parked:
-    device_bytes["parked grads (clipping)"] = device_layers * parked_per_layer
+    on_device = device_bytes["parked grads (clipping)"] = device_layers * parked_per_layer
     # Less what the last group's call and the parked gradients never hold together (a negative part, or none).
-    apart = needs(device_layers) - device_layers * state_per_layer - max(peaks) - device_layers * parked_per_layer
+    apart = step_peak_bytes(*peaks, on_device) - max(peaks) - on_device
     if apart:
       device_bytes[NEVER_TOGETHER] = apart
     host_bytes["parked grads (clipping)"] = host_layers * parked_per_layer
