@@ -11,7 +11,8 @@ Cases (--cases; each recorded with tokens/s, MFU, hardware FLOPs utilization, pe
   big_clip   llama13b as the README's `python train.py --model=llama13b` runs it (sljax.launch): the recipe's AdamW
              clipped at 1.0, and the batch, placement and first-moment dtype the plan then chooses
   llama7b    llama7b, all 32 layers, as `python train.py --model=llama7b --engine=offload` runs it (the bare command
-             runs the on-device step on an H200, which its training state fits)
+             runs the on-device step on an H200, which its training state fits); --llama7b_sub_batches and
+             --llama7b_tail_layers pass train.py's --sub_batches and --tail_layers
   fits       a model that fits on the device (--fits_model, --fits_set), same batch (--fits_cases):
              device_remat     the plain all-on-device jitted step (scan over layers, per-layer remat)
              device_no_remat  the same without remat (faster, where its activations fit; a failure is recorded)
@@ -88,6 +89,10 @@ flags.DEFINE_string("trace_dir", "", "Keep the traces (jax.profiler, perfetto) h
                     "removed once read).")
 flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan of big may use (below XLA's pinned pool "
                    "limit; the others plan for the default host budget, as train.py does).")
+flags.DEFINE_integer("llama7b_sub_batches", 0, "llama7b: sub-batches per step, as train.py's --sub_batches (0: the "
+                     "plan's).")
+flags.DEFINE_integer("llama7b_tail_layers", 0, "llama7b: layers in the last group, as train.py's --tail_layers (0: "
+                     "the plan's).")
 FLAGS = flags.FLAGS
 
 
@@ -334,13 +339,14 @@ def big_case(seq, key):
         "predicted_transfer_s": plan.transfer_seconds})
 
 
-def as_train_py_case(name, preset, seq, key):
+def as_train_py_case(name, preset, seq, key, sub_batches=0, tail_layers=0):
   """The engine as `python train.py --model=<preset> --engine=offload --seq_len=<seq>` builds it: sljax.launch's
   recipe, plan (batch, placement, first-moment dtype, for the default host budget) and optimizer, on one device."""
   overrides = tuple(f"{field}={value}" for field, value in TRAINING_SMOKE.items()) if FLAGS.smoke else ()
   # Smoke: one row, where the plan would fill a sub-batch of 16384 tokens (512 rows of 32).
   data = {"seq_len": seq, **({"batch_size": TRAINING_SMOKE_ROWS} if FLAGS.smoke else {})}
-  request = launch.Request(launch.LaunchConfig(model=preset, overrides=overrides, engine="offload"),
+  request = launch.Request(launch.LaunchConfig(model=preset, overrides=overrides, engine="offload",
+                                               sub_batches=sub_batches, tail_layers=tail_layers),
                            RunConfig(steps=FLAGS.steps + 1), data=data)
   printed = io.StringIO()  # what train.py prints of its choices: recorded with the result
   try:
@@ -378,7 +384,7 @@ def main(argv):
   if "big_clip" in FLAGS.cases:
     as_train_py_case("big_clip", "llama13b", seq, key)
   if "llama7b" in FLAGS.cases:
-    as_train_py_case("llama7b", "llama7b", seq, key)
+    as_train_py_case("llama7b", "llama7b", seq, key, FLAGS.llama7b_sub_batches, FLAGS.llama7b_tail_layers)
   if "fits" in FLAGS.cases:
     model = model_of(FLAGS.fits_model, [] if FLAGS.smoke else FLAGS.fits_set)
     fits_cases(model, TRAINING_SMOKE_ROWS if FLAGS.smoke else FLAGS.fits_batch, seq, FLAGS.steps, key)
