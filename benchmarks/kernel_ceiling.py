@@ -14,6 +14,11 @@ the step's MFU (model FLOPs: flops_per_token, the head's included, as train_thro
 alone, so the step's MFU stays below them. Left out of the times: the embedding, the head and loss, the optimizer
 updates, copies, dispatch, idle gaps, and the engine's last group keeping its residuals (timed here at the price of
 full recompute: one group in layers / live_layers). train_throughput measures them in the process of the step.
+
+A training step is a sustained load: on the H200 it runs at the 700 W power cap, its SM clock near 1.46 GHz
+(`benchmarks/results/llama7b_clocks_h200.json`), while a few calls each waited for are not. The `*_sustained` keys
+time each kernel again back to back for `sustain_s` seconds after as many seconds of warm-up, at the cap: 1-7%
+slower than alone on the H200 (train_throughput_h200_sustained_ceilings.json), the ceilings a step can reach.
 """
 
 import statistics
@@ -31,6 +36,8 @@ from sljax.schedule import Engine, EngineConfig
 
 FLAGS = flags.FLAGS
 REPEATS = 5  # timed calls per kernel, after one that compiles it
+SUSTAIN_S = 3.0  # seconds of each kernel back to back (after as many of warm-up) for the sustained times
+SMOKE_SUSTAIN_S = 0.05
 
 
 def layer_flops_per_token(cfg, seq: int) -> float:
@@ -54,10 +61,27 @@ def median_seconds(fn, args, repeats: int) -> tuple[float, list[float]]:
   return statistics.median(times), times
 
 
-def ceilings(model, rows: int, seq: int, sub_batches: int, live_layers: int = 1, repeats: int = REPEATS) -> dict:
+def sustained_seconds(fn, args, seconds: float) -> float:
+  """Seconds per call of fn(*args) dispatched back to back for about `seconds`, after about as long of the same
+  (the GPU at the clock its power cap holds under that load), fn compiled and timed once first."""
+  jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  calls = max(1, round(seconds / max(time.perf_counter() - start, 1e-6)))
+  for _ in range(2):  # the warm-up, then the same again timed
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+  return (time.perf_counter() - start) / calls
+
+
+def ceilings(model, rows: int, seq: int, sub_batches: int, live_layers: int = 1, repeats: int = REPEATS,
+             sustain_s: float = SUSTAIN_S) -> dict:
   """The three kernels' milliseconds on a sub-batch of rows x seq tokens, the step times they imply for `sub_batches`
   sub-batches through all of `model`'s layers, the MFU ceilings (and the HFU one) of those steps, and each kernel's
-  hardware FLOPs over its time and this device's peak (`kernel_hfu`). ValueError on a shape that is not positive."""
+  hardware FLOPs over its time and this device's peak (`kernel_hfu`); the same from the kernels' sustained times
+  (`*_sustained`, sustain_s > 0). ValueError on a shape that is not positive."""
   if min(rows, seq, sub_batches, live_layers, repeats) < 1:
     raise ValueError(f"rows, seq, sub_batches, live_layers and repeats must be >= 1, got {rows}, {seq}, "
                      f"{sub_batches}, {live_layers}, {repeats}")
@@ -82,8 +106,11 @@ def ceilings(model, rows: int, seq: int, sub_batches: int, live_layers: int = 1,
   kernels = {"forward": (layers, (weights, x_BxSxD)),
              "recompute_backward": (recompute_backward, (weights, x_BxSxD, dy_BxSxD)),
              "residuals_kept": (residuals_kept, (weights, x_BxSxD, dy_BxSxD))}
-  timed = {name: median_seconds(jax.jit(fn), args, repeats) for name, (fn, args) in kernels.items()}
+  jitted = {name: (jax.jit(fn), args) for name, (fn, args) in kernels.items()}
+  timed = {name: median_seconds(fn, args, repeats) for name, (fn, args) in jitted.items()}
   seconds = {name: median for name, (median, _) in timed.items()}
+  sustained = {name: sustained_seconds(fn, args, sustain_s) for name, (fn, args) in jitted.items()} if sustain_s > 0 \
+      else None
 
   peak = rates_of(jax.devices()[0].device_kind).peak_flops
   # A kernel's hardware FLOPs: the group's share of the layers' forward (a third of their training FLOPs), three
@@ -91,9 +118,16 @@ def ceilings(model, rows: int, seq: int, sub_batches: int, live_layers: int = 1,
   forward_flops = rows * seq * layer_flops_per_token(cfg, seq) / 3 * live_layers / cfg.num_layers
   hardware = {"forward": forward_flops, "recompute_backward": 3 * forward_flops, "residuals_kept": 3 * forward_flops}
   calls = cfg.num_layers / live_layers * sub_batches  # of each kernel per step
-  step_s = {"full_recompute": calls * (seconds["forward"] + seconds["recompute_backward"]),
-            "residuals_kept": calls * seconds["residuals_kept"]}
+  step_of = lambda seconds: {"full_recompute": calls * (seconds["forward"] + seconds["recompute_backward"]),
+                             "residuals_kept": calls * seconds["residuals_kept"]}
+  step_s = step_of(seconds)
   step_tokens = rows * seq * sub_batches
+  if sustained:
+    sustained_step_s = step_of(sustained)
+    sustained = {"sustain_s": sustain_s, **{f"{name}_ms_sustained": 1e3 * s for name, s in sustained.items()},
+                 **{f"step_s_{kind}_sustained": s for kind, s in sustained_step_s.items()},
+                 **{f"ceiling_mfu_{kind}_sustained": step_tokens * cfg.flops_per_token(seq) / (s * peak)
+                    for kind, s in sustained_step_s.items()}}
   return {
       "rows": rows, "seq_len": seq, "sub_batches": sub_batches, "live_layers": live_layers, "repeats": repeats,
       "peak_flops": peak, **{f"{name}_ms": 1e3 * s for name, s in seconds.items()},
@@ -103,6 +137,7 @@ def ceilings(model, rows: int, seq: int, sub_batches: int, live_layers: int = 1,
       "ceiling_hfu_full_recompute": (step_tokens * hardware_flops_per_token(cfg, seq, 1.0)
                                      / (step_s["full_recompute"] * peak)),
       "kernel_hfu": {name: hardware[name] / (seconds[name] * peak) for name in kernels},
+      **(sustained or {}),
   }
 
 
@@ -111,7 +146,8 @@ def main(argv):
   rows, seq = (TRAINING_SMOKE_ROWS, TRAINING_SMOKE_SEQ) if FLAGS.smoke else (FLAGS.rows, FLAGS.seq_len)
   try:
     cfg = get_config(FLAGS.model, {**parse_overrides(FLAGS.set), **(TRAINING_SMOKE if FLAGS.smoke else {})})
-    result = ceilings(build(cfg), rows, seq, FLAGS.sub_batches, FLAGS.live_layers, FLAGS.repeats)
+    result = ceilings(build(cfg), rows, seq, FLAGS.sub_batches, FLAGS.live_layers, FLAGS.repeats,
+                      SMOKE_SUSTAIN_S if FLAGS.smoke else FLAGS.sustain_s)
   except ValueError as error:
     raise app.UsageError(str(error)) from None
   print(f"{FLAGS.model}, {rows} x {seq} tokens, {FLAGS.live_layers} layer(s): forward {result['forward_ms']:.2f} ms, "
@@ -132,4 +168,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer("sub_batches", 4, "Sub-batches per step (the step times and ceilings).")
   flags.DEFINE_integer("live_layers", 1, "Layers per group: what one call runs.")
   flags.DEFINE_integer("repeats", REPEATS, "Timed calls per kernel, after one that compiles it.")
+  flags.DEFINE_float("sustain_s", SUSTAIN_S, "Seconds of each kernel back to back for the sustained times (after as "
+                     "many of warm-up); 0: none.")
   app.run(main)

@@ -60,6 +60,7 @@ def test_train_throughput_smoke_records_the_kernel_ceilings_beside_each_engine_s
   for name in ("big", "big_clip", "llama7b", "fits/engine"):
     case = by_case(train_throughput)[name]
     assert case["ceiling_mfu_full_recompute"] > 0 and case["ceiling_mfu_residuals_kept"] > 0
+    assert case["ceiling_mfu_schedule_sustained"] > 0 and case["ceiling_mfu_full_recompute_sustained"] > 0
     kernels = case["kernel_ceiling"]  # at the step's shape: one row in smoke
     assert (kernels["rows"] * kernels["sub_batches"], kernels["seq_len"], kernels["live_layers"]) == (
         1, train_throughput["seq_len"], case["engine"]["live_layers"])
@@ -141,9 +142,11 @@ def test_kernel_ceiling_smoke_times_the_three_kernels(tmp_path):
   assert has_provenance(result, "kernel_ceiling") and result["model"] == "llama13b"
   assert all(result[f"{kernel}_ms"] > 0 and len(result["ms_all"][kernel]) == result["repeats"]
              for kernel in ("forward", "recompute_backward", "residuals_kept"))
-  # Four layers x four sub-batches of each kernel make the step.
-  assert result["step_s_full_recompute"] == pytest.approx(
-      16e-3 * (result["forward_ms"] + result["recompute_backward_ms"]))
+  # Four layers x four sub-batches of each kernel make the step, timed alone and back to back (sustained).
+  for sustained in ("", "_sustained"):
+    assert result[f"step_s_full_recompute{sustained}"] == pytest.approx(
+        16e-3 * (result[f"forward_ms{sustained}"] + result[f"recompute_backward_ms{sustained}"]))
+    assert result[f"step_s_residuals_kept{sustained}"] == pytest.approx(16e-3 * result[f"residuals_kept_ms{sustained}"])
   # The step's model FLOPs (the head's too, as the step's MFU counts them) over that time at the device's peak.
   cfg = get_config("llama13b", TRAINING_SMOKE)
   step_flops = result["rows"] * result["seq_len"] * result["sub_batches"] * cfg.flops_per_token(result["seq_len"])
