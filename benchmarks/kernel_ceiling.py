@@ -109,8 +109,8 @@ def ceilings(model, rows: int, seq: int, sub_batches: int, live_layers: int = 1,
   jitted = {name: (jax.jit(fn), args) for name, (fn, args) in kernels.items()}
   timed = {name: median_seconds(fn, args, repeats) for name, (fn, args) in jitted.items()}
   seconds = {name: median for name, (median, _) in timed.items()}
-  sustained = {name: sustained_seconds(fn, args, sustain_s) for name, (fn, args) in jitted.items()} if sustain_s > 0 \
-      else None
+  sustained_s = ({name: sustained_seconds(fn, args, sustain_s) for name, (fn, args) in jitted.items()}
+                 if sustain_s > 0 else {})
 
   peak = rates_of(jax.devices()[0].device_kind).peak_flops
   # A kernel's hardware FLOPs: the group's share of the layers' forward (a third of their training FLOPs), three
@@ -122,9 +122,10 @@ def ceilings(model, rows: int, seq: int, sub_batches: int, live_layers: int = 1,
                              "residuals_kept": calls * seconds["residuals_kept"]}
   step_s = step_of(seconds)
   step_tokens = rows * seq * sub_batches
-  if sustained:
-    sustained_step_s = step_of(sustained)
-    sustained = {"sustain_s": sustain_s, **{f"{name}_ms_sustained": 1e3 * s for name, s in sustained.items()},
+  sustained = {}
+  if sustained_s:
+    sustained_step_s = step_of(sustained_s)
+    sustained = {"sustain_s": sustain_s, **{f"{name}_ms_sustained": 1e3 * s for name, s in sustained_s.items()},
                  **{f"step_s_{kind}_sustained": s for kind, s in sustained_step_s.items()},
                  **{f"ceiling_mfu_{kind}_sustained": step_tokens * cfg.flops_per_token(seq) / (s * peak)
                     for kind, s in sustained_step_s.items()}}
@@ -137,7 +138,7 @@ def ceilings(model, rows: int, seq: int, sub_batches: int, live_layers: int = 1,
       "ceiling_hfu_full_recompute": (step_tokens * hardware_flops_per_token(cfg, seq, 1.0)
                                      / (step_s["full_recompute"] * peak)),
       "kernel_hfu": {name: hardware[name] / (seconds[name] * peak) for name in kernels},
-      **(sustained or {}),
+      **sustained,
   }
 
 
@@ -147,7 +148,7 @@ def main(argv):
   try:
     cfg = get_config(FLAGS.model, {**parse_overrides(FLAGS.set), **(TRAINING_SMOKE if FLAGS.smoke else {})})
     result = ceilings(build(cfg), rows, seq, FLAGS.sub_batches, FLAGS.live_layers, FLAGS.repeats,
-                      SMOKE_SUSTAIN_S if FLAGS.smoke else FLAGS.sustain_s)
+                      min(FLAGS.sustain_s, SMOKE_SUSTAIN_S) if FLAGS.smoke else FLAGS.sustain_s)
   except ValueError as error:
     raise app.UsageError(str(error)) from None
   print(f"{FLAGS.model}, {rows} x {seq} tokens, {FLAGS.live_layers} layer(s): forward {result['forward_ms']:.2f} ms, "
