@@ -1,7 +1,8 @@
 """The generation planner: the layout of a generation (batch, sub-batches, resident layers, the KV cache's place)
-with the best estimated throughput that fits given memory budgets, from the bytes a generation keeps (`footprint`)
-and moves (`pass_cost`) in sljax.generate's loop, and the machine's rates (sljax.machines). Any
-models.common.GenerationModel plans: its sizes come from its params' shapes and one traced layer (`generation_sizes`)."""
+with the best estimated throughput that fits given memory budgets, from the bytes a generation keeps
+(`layout_footprint`) and moves (`pass_cost`) in sljax.generate's loop. A search policy over the planning core
+(sljax.footprint: the tiers, the margin, the copy-time model, whose rates). Any models.common.GenerationModel plans:
+its sizes come from its params' shapes and one traced layer (`generation_sizes`)."""
 
 import dataclasses
 import math
@@ -13,8 +14,9 @@ import jax.numpy as jnp
 from models.common import check_model
 from models.config import ModelConfig
 from models.presets import build
+from sljax.footprint import MARGIN, SCRATCH, Footprint, copy_seconds, machine_for, margin_bytes
 from sljax.generate import IN_FLIGHT, OffloadConfig, layer_groups
-from sljax.machines import GIB, REFERENCE, Machine, default_budget
+from sljax.machines import GIB, REFERENCE, Budget, Machine, default_budget, target_budget
 from sljax.memory import tree_bytes
 from sljax.quant import QuantConfig, quantize_layers
 
@@ -139,10 +141,11 @@ def _stored(model, offload: OffloadConfig) -> tuple[int, int]:
                for bits in (offload.streamed_bits, offload.resident_bits))
 
 
-def footprint(model, offload: OffloadConfig, batch: int, prompt_len: int, max_len: int) -> tuple[int, int]:
-  """(device bytes, pinned host bytes) that a generation keeps at its peak (the prompt's pass: a decode pass's
-  temporaries are one token's, and joining the sub-batches' caches for it holds one group's twice); `model` as in
-  generation_sizes."""
+def layout_footprint(model, offload: OffloadConfig, batch: int, prompt_len: int, max_len: int,
+                     target: Machine | None = None) -> Footprint:
+  """What a generation keeps at its peak (the prompt's pass: a decode pass's temporaries are one token's, and joining
+  the sub-batches' caches for it holds one group's twice), per memory tier; `model` as in generation_sizes, `target`
+  as in `plan` (a GPU plan leaves the core's margin unplanned)."""
   cfg = generation_sizes(model)
   layer, outer, kv_token = _sizes(model)
   streamed_layer, resident_layer = _stored(model, offload)
@@ -152,20 +155,23 @@ def footprint(model, offload: OffloadConfig, batch: int, prompt_len: int, max_le
   live = min(offload.live_layers, max(streamed, 1))
   group_cache = offload.live_layers * rows * max_len * kv_token  # one sub-batch's cache for one group
   cache = cfg.num_layers * batch * max_len * kv_token
-  # One call's temporaries: attention scores over every slot (fp32, their fp32 softmax, its cast back), the MLP,
-  # the projections, and the group's cache written anew (scan outputs do not alias their inputs).
-  scores = rows * cfg.heads * prompt_len * max_len * (4 + 4 + item)
-  temporaries = scores + rows * prompt_len * (3 * cfg.ffn + 6 * cfg.hidden) * item + group_cache
   in_flight = IN_FLIGHT + 1
-  device = outer + offload.resident_layers * resident_layer + (in_flight * live * streamed_layer if streamed else 0)
-  if min(offload.streamed_bits, offload.resident_bits) < 16:
-    # A compressed group's kernels dequantized for its sub-batches' calls; the next group's is made while they run.
-    device += 2 * offload.live_layers * layer
-  device += in_flight * group_cache if offload.kv_on_host else cache
-  # Hidden states in and out; one call's scratch, which the next call reuses (the device runs them in order).
-  device += 2 * batch * prompt_len * cfg.hidden * item + temporaries
-  host = streamed * streamed_layer + (cache if offload.kv_on_host else 0)
-  return device, host
+  device = {
+      MARGIN: margin_bytes(target), "outer weights": outer, "resident layers": offload.resident_layers * resident_layer,
+      f"streamed groups ({in_flight} in flight)": in_flight * live * streamed_layer if streamed else 0,
+      # A compressed group's kernels dequantized for its sub-batches' calls; the next group's is made while they run.
+      "dequantized kernels (2 groups)": (2 * offload.live_layers * layer
+                                         if min(offload.streamed_bits, offload.resident_bits) < 16 else 0),
+      f"KV cache ({in_flight} groups in flight)" if offload.kv_on_host else "KV cache":
+          in_flight * group_cache if offload.kv_on_host else cache,
+      "hidden states in and out": 2 * batch * prompt_len * cfg.hidden * item,
+      # One call's temporaries, from the shapes (the next call reuses them: the device runs the calls in order):
+      # attention scores over every slot (fp32, their fp32 softmax, its cast back), the MLP, the projections, and the
+      # group's cache written anew (scan outputs do not alias their inputs).
+      SCRATCH: (rows * cfg.heads * prompt_len * max_len * (4 + 4 + item)
+                + rows * prompt_len * (3 * cfg.ffn + 6 * cfg.hidden) * item + group_cache)}
+  host = {"streamed layers": streamed * streamed_layer, "KV cache": cache if offload.kv_on_host else 0}
+  return Footprint(device, host)
 
 
 class PassCost(NamedTuple):
@@ -196,8 +202,7 @@ def pass_cost(model, offload: OffloadConfig, batch: int, seq: int, max_len: int,
   compressed = sum(layers * (stored + layer) for layers, bits, stored in (
       (streamed, offload.streamed_bits, streamed_layer), (offload.resident_layers, offload.resident_bits, resident_layer))
       if bits < 16)
-  seconds = max(copied_in / machine.copy_bytes_per_s, cache_out / machine.copy_to_host_bytes_per_s,
-                (copied_in + cache_out) / machine.copy_both_bytes_per_s, flops / machine.generation_flops,
+  seconds = max(copy_seconds(machine, copied_in, cache_out), flops / machine.generation_flops,
                 (parts * cfg.num_layers * layer + outer + cache + compressed) / machine.memory_bytes_per_s,
                 (calls * parts + 3) * machine.dispatch_seconds)
   return PassCost(copied_in, cache_out, seconds)
@@ -209,12 +214,18 @@ class Plan:
   batch: int
   prompt_len: int
   new_tokens: int
-  device_bytes: int
-  host_bytes: int
-  device_budget: int
-  host_budget: int
+  footprint: Footprint  # what it keeps at its peak, by tier and part
+  budget: Budget
   prefill: PassCost  # the prompt's pass
   decode: PassCost  # one decode pass: one new token for every row
+
+  @property
+  def device_bytes(self) -> int:
+    return self.footprint.device_bytes
+
+  @property
+  def host_bytes(self) -> int:
+    return self.footprint.host_bytes
 
   @property
   def tokens_per_s(self) -> float:
@@ -228,7 +239,9 @@ class Plan:
 
   def as_dict(self) -> dict:
     return {**dataclasses.asdict(self), "prefill": self.prefill._asdict(), "decode": self.decode._asdict(),
-            "tokens_per_s": self.tokens_per_s, "decode_bytes_per_token": self.decode_bytes_per_token}
+            "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "device_budget": self.budget.device_bytes,
+            "host_budget": self.budget.host_bytes, "tokens_per_s": self.tokens_per_s,
+            "decode_bytes_per_token": self.decode_bytes_per_token}
 
   def describe(self, model) -> str:
     o, n = self.offload, self.offload.sub_batches
@@ -247,8 +260,7 @@ class Plan:
             if bits < 16),
         f"KV cache: {cache / GIB:.2f} GiB ({max_len * cfg.num_layers * kv_token / 2**20:.1f} MiB per row), "
         f"{'in pinned host memory' if o.kv_on_host else 'on the device'}",
-        f"memory: device {self.device_bytes / GIB:.2f} of {self.device_budget / GIB:.2f} GiB, "
-        f"pinned host {self.host_bytes / GIB:.2f} of {self.host_budget / GIB:.2f} GiB",
+        *self.footprint.describe(self.budget),
         f"per decode pass: {self.decode.host_to_device / 1e9:.3g} GB host->device, "
         f"{self.decode.device_to_host / 1e9:.3g} GB device->host = {self.decode_bytes_per_token / 1e6:.4g} MB per "
         f"generated token",
@@ -256,17 +268,17 @@ class Plan:
         f"{self.tokens_per_s:.4g} generated tokens/s"])
 
 
-def _make_plan(model, offload, batch, prompt_len, new_tokens, budgets, machine) -> Plan:
+def _make_plan(model, offload, batch, prompt_len, new_tokens, budget, target) -> Plan:
   max_len = prompt_len + new_tokens
-  device, host = footprint(model, offload, batch, prompt_len, max_len)
-  return Plan(offload, batch, prompt_len, new_tokens, device, host, *budgets,
-              pass_cost(model, offload, batch, prompt_len, max_len, True, machine),
+  machine = machine_for(target)
+  return Plan(offload, batch, prompt_len, new_tokens, layout_footprint(model, offload, batch, prompt_len, max_len, target),
+              budget, pass_cost(model, offload, batch, prompt_len, max_len, True, machine),
               pass_cost(model, offload, batch, 1, max_len, False, machine))
 
 
 def plan(model, prompt_len: int, new_tokens: int, device_budget: int, host_budget: int, *,
          batch: int | None = None, sub_batches: int | None = None, live_layers: int = 1,
-         resident_layers: int | None = None, kv_on_host: bool | None = None, machine: Machine = REFERENCE,
+         resident_layers: int | None = None, kv_on_host: bool | None = None, target: Machine | None = None,
          max_batch: int = 1024, streamed_bits: int = 16, resident_bits: int = 16, weight_group_size: int = 128) -> Plan:
   """The generation layout with the best estimated throughput that fits both memory budgets (bytes).
 
@@ -274,8 +286,10 @@ def plan(model, prompt_len: int, new_tokens: int, device_budget: int, host_budge
   max_batch itself, the KV cache on the device or in pinned host memory, sub-batches over the batch's divisors, and
   as many resident layers as fit. Of the layouts within 3% of the best estimate it takes the smallest batch, then the
   cache on the device, then the fewest sub-batches. Compressed layers (`streamed_bits`, `resident_bits` < 16) count
-  their smaller bytes, so more of them fit on the device. Raises ValueError, with the GiB needed and available, when
-  nothing fits. `model`: any models.common.GenerationModel, or a preset's ModelConfig (see generation_sizes).
+  their smaller bytes, so more of them fit on the device. target: plan for one GPU of that machine (its rates)
+  instead of for this process's device (sljax.footprint.machine_for). Raises ValueError, with the GiB needed and
+  available, when nothing fits. `model`: any models.common.GenerationModel, or a preset's ModelConfig (see
+  generation_sizes).
   """
   cfg = generation_sizes(model)  # checks the model first
   max_len = prompt_len + new_tokens
@@ -287,8 +301,8 @@ def plan(model, prompt_len: int, new_tokens: int, device_budget: int, host_budge
     raise ValueError(f"batch {batch} does not split into {sub_batches} equal sub-batches")
   if resident_layers is not None and not 0 <= resident_layers <= cfg.num_layers:
     raise ValueError(f"resident_layers must be in 0..{cfg.num_layers}, got {resident_layers}")
-  budgets = (device_budget, host_budget)
-  fitting, closest = [], None  # closest: (shortfall in bytes, offload, batch, device, host) of the best misfit
+  budget = Budget(device_budget, host_budget)
+  fitting, closest = [], None  # closest: (shortfall in bytes, offload, batch, footprint) of the best misfit
   for b in [batch] if batch else sorted({2**i for i in range(max_batch.bit_length())} | {max_batch}):
     for on_host in [kv_on_host] if kv_on_host is not None else [False, True]:
       for n in [sub_batches] if sub_batches else [n for n in range(1, b + 1) if b % n == 0]:
@@ -296,28 +310,29 @@ def plan(model, prompt_len: int, new_tokens: int, device_budget: int, host_budge
           continue
         for r in [resident_layers] if resident_layers is not None else range(cfg.num_layers, -1, -1):
           offload = OffloadConfig(n, live_layers, r, on_host, streamed_bits, resident_bits, weight_group_size)
-          device, host = footprint(model, offload, b, prompt_len, max_len)
-          shortfall = max(device - device_budget, 0) + max(host - host_budget, 0)
+          held = layout_footprint(model, offload, b, prompt_len, max_len, target)
+          shortfall = held.shortfall(budget)
           if not shortfall:
-            fitting.append(_make_plan(model, offload, b, prompt_len, new_tokens, budgets, machine))
+            fitting.append(_make_plan(model, offload, b, prompt_len, new_tokens, budget, target))
             break  # the most resident layers that fit: fewer would only move more bytes
           if closest is None or shortfall < closest[0]:
-            closest = (shortfall, offload, b, device, host)
+            closest = (shortfall, offload, b, held)
   if not fitting:
     if closest is None:
       raise ValueError(f"no batch up to {max_batch} splits into {sub_batches} equal sub-batches")
-    _, o, b, device, host = closest
+    _, o, b, held = closest
     raise ValueError(
         f"batch {b} with {prompt_len} + {new_tokens} tokens does not fit: its smallest layout ({o.sub_batches} "
         f"sub-batches, {o.resident_layers} resident layers, KV cache {'on host' if o.kv_on_host else 'on device'}) "
-        f"needs {device / GIB:.2f} GiB of device memory ({device_budget / GIB:.2f} available) and {host / GIB:.2f} "
-        f"GiB of pinned host memory ({host_budget / GIB:.2f} available)")
+        f"needs {held.device_bytes / GIB:.2f} GiB of device memory ({device_budget / GIB:.2f} available) and "
+        f"{held.host_bytes / GIB:.2f} GiB of pinned host memory ({host_budget / GIB:.2f} available)")
   best = max(p.tokens_per_s for p in fitting)
   return next(p for p in fitting if p.tokens_per_s >= 0.97 * best)
 
 
-def memory_budgets(device: jax.Device | None = None) -> tuple[int, int]:
-  """(device bytes, pinned host bytes) a generation may use here: the default budgets (sljax.machines), less 3% and
-  1 GiB of the device's for fragmentation and XLA's own scratch, which `footprint` does not count."""
-  budget = default_budget(device)
-  return max(int(0.97 * budget.device_bytes) - GIB, 0), budget.host_bytes
+def memory_budgets(target: Machine | None = None) -> tuple[int, int]:
+  """(device bytes, pinned host bytes) a generation may use: one GPU's of `target` (sljax.machines.target_budget),
+  else this process's default budgets (sljax.machines.default_budget). The plan leaves the core's margin
+  (sljax.footprint.GPU_MARGIN_BYTES) of them unplanned."""
+  budget = target_budget(target) if target else default_budget()
+  return budget.device_bytes, budget.host_bytes

@@ -7,45 +7,34 @@ memory comes from XLA's compiled memory analysis of the group steps, not from a 
 """
 
 import dataclasses
-import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from models.presets import build, get_config
-from sljax.machines import GIB, REFERENCE, Budget, Machine, rates_of
+from sljax.footprint import (COMPUTE_MARGIN, MARGIN, SCRATCH, SUB_BATCH_TOKENS, Footprint, Pass, compiled_peak, compute_bound,
+                             machine_for, margin_bytes, pass_copy_seconds, step_seconds)
+from sljax.machines import GIB, REFERENCE, Budget, Machine
 from sljax.memory import tree_bytes
 from sljax.schedule import (Engine, EngineConfig, group_bounds, in_flight_bytes, retired_host_bytes,
                             state_on_device, step_peak_bytes)
 from sljax.sizes import model_sizes
 
-# A step is compute-bound "with a margin" when its predicted compute is at least this many times its copies: on the
-# H200 only 64% of the copy time hid behind compute in the traced llama13b step (shared/DESIGN.md section 5), so the
-# copies are given twice their time. Each pass (forward; backward) must also hide its own copies at least once over.
-COMPUTE_MARGIN = 2.0
 MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
-SUB_BATCH_TOKENS = 16384  # tokens per sub-batch call the plan aims at: enough to keep the GPU's matmuls at speed
 
 # The measurements of compiled peaks on a GPU: llama13b, one layer per group, a sub-batch of 8 x 2048 rows, on the
-# H200. The last group's call: 8.5 GiB ("compiled step peak" in the plans of
+# H200, as XLA's temp + output bytes. The last group's call: 8.5 GiB ("compiled step peak" in the plans of
 # benchmarks/results/train_throughput_h200.json and train_scaling*_h200x2.json, printed to 0.1 GiB). Another group's
 # backward: 4.2 GiB, the 8.5 less the 4.3 that the big_clip plan in train_throughput_h200.json takes away as
 # NEVER_TOGETHER (there the backward runs beside all the parked gradients, the last group's call beside none). See
 # gpu_peak_from_cpu.
 GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(8.5 * GIB)
 GPU_BACKWARD_PEAK_BYTES = int(4.2 * GIB)
-# The device part, with clipping, that takes away what the compiled step peak and the parked gradients count twice.
-NEVER_TOGETHER = "peak and parked grads never together"
-
-
-class Phase(NamedTuple):
-  """One pass of a step: its compute and the copies that must hide behind it."""
-
-  compute_seconds: float  # predicted, at the machine's layer efficiency of its peak
-  host_to_device_bytes: int
-  device_to_host_bytes: int
+# The device part, with clipping, that takes away what the calls' scratch and the parked gradients count twice.
+NEVER_TOGETHER = "calls' scratch and parked grads never together"
+# A pass of a step, for the results files and tests that read plan.phases.
+Phase = Pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +46,7 @@ class Plan:
   # The forward pass and the backward pass (recompute + backward: three times the forward's compute) of a step.
   # Copies overlap the compute of their own pass only: a host group's update traffic runs in the backward, or
   # (clipping: every update waits for the global norm) in the next step's forward, before the group's weights are read.
-  phases: dict[str, Phase]
+  phases: dict[str, Pass]
   budget: Budget
   fsdp: int = 1  # devices each group's state is split over
   machine: Machine = REFERENCE  # whose rates the times are predicted at
@@ -73,6 +62,10 @@ class Plan:
     return len(self.bounds)
 
   @property
+  def footprint(self) -> Footprint:
+    return Footprint(self.device_bytes, self.host_bytes)
+
+  @property
   def compute_seconds(self) -> float:
     return sum(phase.compute_seconds for phase in self.phases.values())
 
@@ -84,11 +77,8 @@ class Plan:
   def device_to_host_bytes(self) -> int:
     return sum(phase.device_to_host_bytes for phase in self.phases.values())
 
-  def copy_seconds(self, phase: Phase) -> float:
-    """Each direction at its own rate, both together at most at the machine's combined rate."""
-    m = self.machine
-    return max(phase.host_to_device_bytes / m.copy_bytes_per_s, phase.device_to_host_bytes / m.copy_to_host_bytes_per_s,
-               (phase.host_to_device_bytes + phase.device_to_host_bytes) / m.copy_both_bytes_per_s)
+  def copy_seconds(self, phase: Pass) -> float:
+    return pass_copy_seconds(self.machine, phase)
 
   @property
   def transfer_seconds(self) -> float:
@@ -97,13 +87,11 @@ class Plan:
 
   @property
   def step_seconds(self) -> float:
-    return sum(max(phase.compute_seconds, self.copy_seconds(phase)) for phase in self.phases.values())
+    return step_seconds(self.machine, list(self.phases.values()))
 
   @property
   def compute_bound(self) -> bool:
-    """Compute at least COMPUTE_MARGIN times the copies over the step, and at least the copies in every pass."""
-    return self.compute_seconds >= COMPUTE_MARGIN * self.transfer_seconds and all(
-        phase.compute_seconds >= self.copy_seconds(phase) for phase in self.phases.values())
+    return compute_bound(self.machine, list(self.phases.values()))
 
   @property
   def rows(self) -> int:
@@ -118,8 +106,7 @@ class Plan:
         + f"activations {'in pinned host memory' if e.activations_on_host else 'on the device'}, "
         f"{e.device_state_groups} group(s) keep master weights + optimizer state on the device"
         + (f" (split over {self.fsdp} fsdp devices)" if self.fsdp > 1 else ""),
-        _tier("device", self.device_bytes, self.budget.device_bytes),
-        _tier("host", self.host_bytes, self.budget.host_bytes),
+        *self.footprint.describe(self.budget),
         f"per step: {self.host_to_device_bytes / GIB:.1f} GiB host->device, "
         f"{self.device_to_host_bytes / GIB:.1f} GiB device->host",
         "step time bound: " + ", ".join(
@@ -130,39 +117,31 @@ class Plan:
     return "\n".join(rows)
 
 
-def _tier(name, parts, budget):
-  items = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items() if v)
-  return f"{name}: {sum(parts.values()) / GIB:.1f} of {budget / GIB:.1f} GiB ({items})"
+def _call_peak(model, call: str, layers: int, sub_batch: int, seq_len: int, outputs: bool = False) -> int:
+  """XLA's scratch (temp bytes; with `outputs`, and the outputs') for one per-sub-batch call over `layers` layers, as
+  this process's backend compiles it: "last_group" (forward, head and backward, residuals kept) or "backward"
+  (recompute + backward). The plan counts the calls' outputs (the gradient accumulators, dx) as parts of its own."""
 
+  def lowered():
+    calls = Engine(model, optax.sgd(0.0), EngineConfig()).calls
+    shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+    weights = jax.eval_shape(lambda: calls.cast(model.init_layers(jax.random.split(jax.random.key(0), layers))))
+    x = shape(sub_batch, seq_len, model_sizes(model).hidden)
+    grads = jax.eval_shape(calls.zeros, weights)
+    if call == "last_group":
+      outer = jax.eval_shape(lambda: model.init_outer(jax.random.key(0)))
+      args = (weights, outer, x, shape(sub_batch, seq_len, dtype=jnp.int32),
+              shape(sub_batch, seq_len, dtype=jnp.float32), shape(dtype=jnp.float32), grads,
+              jax.eval_shape(calls.zeros, outer))
+    else:
+      args = (weights, x, x, grads)
+    return [getattr(calls, call).lower(*args)]
 
-_PEAKS: dict = {}  # compiled peaks of one call by (model, call, layers, sub-batch rows, seq_len): compiling takes seconds
-
-
-def _call_peak(model, call: str, layers: int, sub_batch: int, seq_len: int) -> int:
-  """XLA's temp + output bytes for one per-sub-batch call over `layers` layers, as this process's backend compiles
-  it: "last_group" (forward, head and backward, residuals kept) or "backward" (recompute + backward)."""
-  key = (type(model), model.cfg, call, layers, sub_batch, seq_len)
-  if key in _PEAKS:
-    return _PEAKS[key]
-  calls = Engine(model, optax.sgd(0.0), EngineConfig()).calls
-  sizes = model_sizes(model)
-  shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
-  weights = jax.eval_shape(lambda: calls.cast(model.init_layers(jax.random.split(jax.random.key(0), layers))))
-  x = shape(sub_batch, seq_len, sizes.hidden)
-  grads = jax.eval_shape(calls.zeros, weights)
-  if call == "last_group":
-    outer = jax.eval_shape(lambda: model.init_outer(jax.random.key(0)))
-    args = (weights, outer, x, shape(sub_batch, seq_len, dtype=jnp.int32), shape(sub_batch, seq_len, dtype=jnp.float32),
-            shape(dtype=jnp.float32), grads, jax.eval_shape(calls.zeros, outer))
-  else:
-    args = (weights, x, x, grads)
-  analysis = getattr(calls, call).lower(*args).compile().memory_analysis()
-  _PEAKS[key] = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
-  return _PEAKS[key]
+  return compiled_peak((type(model), model.cfg, call, layers, sub_batch, seq_len), lowered, outputs)
 
 
 def _step_peaks(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> tuple[int, int]:
-  """The compiled peaks of the per-sub-batch calls: the last group's (its own layers, residuals kept) and another
+  """The compiled scratch of the per-sub-batch calls: the last group's (its own layers, residuals kept) and another
   group's backward (0 where the last group is the only one)."""
   bounds = group_bounds(model.cfg.num_layers, cfg.live_layers, cfg.tail_layers)
   backward = _call_peak(model, "backward", cfg.live_layers, sub_batch, seq_len) if len(bounds) > 1 else 0
@@ -170,21 +149,23 @@ def _step_peaks(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> tuple
 
 
 def gpu_peak_from_cpu(cpu_peak: int, call: str = "last_group") -> int:
-  """A GPU's compiled peak of a call ("last_group" or "backward") estimated from the CPU compiler's, for plans made on
-  a CPU machine (--target).
+  """A GPU's compiled scratch (temp bytes) of a call ("last_group" or "backward") estimated from the CPU compiler's,
+  for plans made on a CPU machine (--target).
 
   XLA on CPU reports a much larger peak for the same call (30.3 GiB where the H200 reports 8.5 for llama13b's last
-  group at 8 x 2048 rows, and 27.2 where it reports 4.2 for a backward; jax 0.10.2 on CPU): among others, its
-  attention materializes the score matrices (a few fp32 copies of rows x heads x seq^2) where cuDNN flash attention
-  keeps none. The correction is the ratio measured for the same call: the GPU's GPU_PEAK_BYTES (or
-  GPU_BACKWARD_PEAK_BYTES) over this process's CPU compile of that call (compiled here, so it follows this jax's CPU
-  compiler). It is exact for that shape and model and an estimate elsewhere: it cannot know how the GPU's peak scales
-  with seq_len (the CPU's attention part grows as seq^2, the GPU's does not, so at shorter sequences it undershoots),
-  with other families (OPT), with several layers per group, or on another GPU or XLA version."""
+  group at 8 x 2048 rows, and 27.2 where it reports 4.2 for a backward, temp + output; jax 0.10.2 on CPU): among
+  others, its attention materializes the score matrices (a few fp32 copies of rows x heads x seq^2) where cuDNN flash
+  attention keeps none. The correction is the ratio measured for the same call: the GPU's temp bytes (GPU_PEAK_BYTES
+  or GPU_BACKWARD_PEAK_BYTES less the call's outputs, whose shapes are the same on both) over this process's CPU
+  compile of that call (compiled here, so it follows this jax's CPU compiler). It is exact for that shape and model
+  and an estimate elsewhere: it cannot know how the GPU's peak scales with seq_len (the CPU's attention part grows as
+  seq^2, the GPU's does not, so at shorter sequences it undershoots), with other families (OPT), with several layers
+  per group, or on another GPU or XLA version."""
   reference = build(dataclasses.replace(get_config(GPU_PEAK_MODEL), remat=False))
-  last_group, backward = _step_peaks(reference, EngineConfig(), GPU_PEAK_ROWS, GPU_PEAK_SEQ)
-  gpu, cpu = (GPU_PEAK_BYTES, last_group) if call == "last_group" else (GPU_BACKWARD_PEAK_BYTES, backward)
-  return int(cpu_peak * gpu / cpu)
+  measured = GPU_PEAK_BYTES if call == "last_group" else GPU_BACKWARD_PEAK_BYTES
+  temp = _call_peak(reference, call, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ)
+  outputs = _call_peak(reference, call, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ, outputs=True) - temp
+  return int(cpu_peak * (measured - outputs) / temp)
 
 
 def optimizer_bytes_per_param(optimizer: optax.GradientTransformation, dtype=jnp.float32) -> float:
@@ -225,7 +206,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   live = live_layers or 1
   if not 0 <= tail_layers <= sizes.num_layers:
     raise ValueError(f"tail_layers must be in 0..{sizes.num_layers} (the model's layers), got {tail_layers}")
-  machine = target or rates_of(jax.devices()[0].device_kind)
+  machine = machine_for(target)
   layout = lambda tail: _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, optimizer,
                                 grad_clip_norm, fsdp, target, machine, device_state_groups)
   plan = layout(tail_layers)
@@ -292,8 +273,8 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   parked = live * parked_per_layer
   # What the step keeps in flight (the schedule's own account of it), then the compiled calls' scratch. Where every
   # group's state fits on the device beside it, no state moves, and nothing is in flight for the updates.
-  fixed = lambda host_state: in_flight_bytes(sizes, cfg, sub_batch, seq_len, state_per_layer, opt_bytes, fsdp,
-                                             host_state)
+  fixed = lambda host_state: {MARGIN: margin_bytes(target), **in_flight_bytes(
+      sizes, cfg, sub_batch, seq_len, state_per_layer, opt_bytes, fsdp, host_state)}
   # The layers whose state (and parked gradient) the device keeps, with the compiled calls' scratch beside them: the
   # parked gradients are never there together with the last group's call (sljax.schedule.step_peak_bytes).
   needs = lambda layers: layers * state_per_layer + step_peak_bytes(*peaks, layers * parked_per_layer)
@@ -324,7 +305,7 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
                      f"{room()} layer(s)")
   device_layers = resident(device_groups)
   host_layers, host_groups = sizes.num_layers - device_layers, groups - device_groups
-  device_bytes = dict(fixed_device, **{"compiled step peak": max(peaks),
+  device_bytes = dict(fixed_device, **{SCRATCH: max(peaks),
                                        "resident group state": device_layers * state_per_layer,
                                        "activation stash": 0 if on_host else stash})
   host_weights = host_layers * sizes.layer_weight_bytes // fsdp if sizes.separate_weights else 0

@@ -22,7 +22,7 @@ from sljax import quant
 from sljax.checkpoint import Checkpointer, restore_params
 from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig, generate_on_device
 from sljax import generate_plan as gen_plan
-from sljax.generate_plan import footprint, plan
+from sljax.generate_plan import layout_footprint, plan
 from sljax.machines import GIB
 from sljax.memory import HOST, tree_bytes
 
@@ -203,7 +203,7 @@ def test_plan_fits_the_budgets_and_streams_what_does_not_fit():
   chosen = plan(cfg, 512, 32, device, host)
   o = chosen.offload
   assert chosen.device_bytes <= device and chosen.host_bytes <= host
-  assert footprint(cfg, o, chosen.batch, 512, 544) == (chosen.device_bytes, chosen.host_bytes)
+  assert layout_footprint(cfg, o, chosen.batch, 512, 544) == chosen.footprint
   assert 0 < o.resident_layers < cfg.num_layers  # 138 GB of weights: some layers must stream
   assert chosen.batch % o.sub_batches == 0
   layer_bytes = cfg.layer_param_count() * 2
@@ -437,7 +437,8 @@ def test_the_plan_counts_compressed_layers_at_the_bytes_the_generator_stores(bit
   resident = tree_bytes(weights["groups"][gen.layer_groups(4, 1, 1)[1].index(True)])
   assert resident == gen_plan.stored_layer_bytes(cfg, 8, 128) < gen_plan.stored_layer_bytes(cfg, 16, 128)
   exact = OffloadConfig(live_layers=1, resident_layers=1)
-  assert footprint(cfg, offload, 4, 8, 16)[1] == footprint(cfg, exact, 4, 8, 16)[1] - 3 * (
+  held = lambda o: layout_footprint(cfg, o, 4, 8, 16).host_bytes
+  assert held(offload) == held(exact) - 3 * (
       gen_plan.stored_layer_bytes(cfg, 16, 128) - streamed[0])
   llama70b = get_config("llama70b", {"dtype": "bfloat16"})
   kept = {b: plan(llama70b, 512, 32, 130 * GIB, 94 * GIB, streamed_bits=b, resident_bits=b).offload.resident_layers

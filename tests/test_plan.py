@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from models.presets import build, get_config
+from sljax import footprint
 from sljax import plan as planner
 from sljax.machines import MACHINES, REFERENCE
 from sljax.memory import Placement
@@ -184,7 +185,7 @@ def test_the_plan_chooses_the_smallest_compute_bound_batch(monkeypatch):
   slower = one_row.transfer_seconds / (10 * one_row.compute_seconds)
   slow = dataclasses.replace(REFERENCE, **{rate: getattr(REFERENCE, rate) * slower for rate in (
       "copy_bytes_per_s", "copy_to_host_bytes_per_s", "copy_both_bytes_per_s")})
-  monkeypatch.setattr(planner, "rates_of", lambda device_kind: slow)  # this device's rates
+  monkeypatch.setattr(footprint, "rates_of", lambda device_kind: slow)  # this device's rates
   plan, why = plan_batch(model, 8, budget, **one_row_sub_batches)
   assert plan.compute_bound and 1 < plan.rows <= 64
   assert plan.compute_seconds >= planner.COMPUTE_MARGIN * plan.transfer_seconds
@@ -283,7 +284,7 @@ def _live_peaks(clip: float, resident: bool = False) -> tuple[dict, dict]:
       peaks[kind] = max(peaks[kind], sum(x.nbytes for x in live if x.sharding.memory_kind == kind))
 
   plan = _observed_steps(clip, observe, steps=4, resident=resident)
-  scratch = ("compiled step peak", planner.NEVER_TOGETHER)
+  scratch = (footprint.SCRATCH, footprint.MARGIN, planner.NEVER_TOGETHER)
   planned = {"device": sum(v for kind, v in plan.device_bytes.items() if kind not in scratch),
              "pinned_host": sum(plan.host_bytes.values())}
   return peaks, planned
