@@ -170,7 +170,9 @@ def layout_footprint(model, offload: OffloadConfig, batch: int, prompt_len: int,
       # group's cache written anew (scan outputs do not alias their inputs).
       SCRATCH: (rows * cfg.heads * prompt_len * max_len * (4 + 4 + item)
                 + rows * prompt_len * (3 * cfg.ffn + 6 * cfg.hidden) * item + group_cache)}
-  host = {"streamed layers": streamed * streamed_layer, "KV cache": cache if offload.kv_on_host else 0}
+  # In host memory, a sub-batch's new cache for a group is written before its old one is let go.
+  host = {"streamed layers": streamed * streamed_layer,
+          "KV cache (and one being replaced)": cache + group_cache if offload.kv_on_host else 0}
   return Footprint(device, host)
 
 

@@ -457,3 +457,48 @@ def test_generation_sizes_from_shapes_are_the_presets_own_numbers(name):
       2 * cfg.kv_heads * cfg.head_dim * 2)
   assert (sizes.hidden, sizes.heads, sizes.ffn, sizes.head_flops_per_token) == (
       cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, 2 * cfg.vocab_size * cfg.embed_dim)
+
+
+@pytest.mark.parametrize("offload", [
+    OffloadConfig(sub_batches=2, live_layers=1, resident_layers=4),  # every layer on the device, and the cache
+    OffloadConfig(sub_batches=2, live_layers=1, resident_layers=1, kv_on_host=True),  # streamed, the cache on host
+    OffloadConfig(sub_batches=2, live_layers=2, resident_layers=0, streamed_bits=4, weight_group_size=16),
+])
+def test_live_bytes_after_every_dispatch_stay_within_the_plan(monkeypatch, offload):
+  """What a generation holds, per memory kind, after each of its calls and transfers, against what its plan says
+  (less the compiled calls' scratch, which no live array shows, and the GPU margin, which a CPU plan leaves none of)."""
+  from sljax import footprint as core
+  model, params, prompts = _setup("llama")
+  sampling = SamplingConfig(max_new_tokens=6)
+  prompt_len = max(map(len, prompts))
+  chosen = plan(model, prompt_len, sampling.max_new_tokens, GIB, GIB, batch=len(prompts),
+                sub_batches=offload.sub_batches, live_layers=offload.live_layers,
+                resident_layers=offload.resident_layers, kv_on_host=offload.kv_on_host,
+                streamed_bits=offload.streamed_bits, weight_group_size=offload.weight_group_size)
+  assert chosen.offload == offload and chosen.footprint.device[core.MARGIN] == 0
+  params = jax.tree.map(np.array, params)  # owned by numpy: on CPU a jax array's numpy view keeps the array alive
+  earlier = {id(x) for x in jax.live_arrays()}
+  peaks = {"device": 0, HOST: 0}
+
+  def observe():
+    live = [x for x in jax.live_arrays() if not x.is_deleted() and id(x) not in earlier]
+    for kind in peaks:
+      # Bytes as stored (int4 codes: two to a byte), not x.nbytes (one per int4 element).
+      peaks[kind] = max(peaks[kind], tree_bytes([x for x in live if x.sharding.memory_kind == kind]))
+
+  def observed(fn):
+    def call(*args, **kwargs):
+      out = fn(*args, **kwargs)
+      observe()
+      return out
+    return call
+
+  for name in ("_embed", "_layers", "_dequantize", "_concat_rows", "_last_logits", "_next_tokens"):
+    monkeypatch.setattr(gen, name, observed(getattr(gen, name)))
+  generator = OffloadedGenerator(model, offload)
+  object.__setattr__(generator.place, "_put", observed(generator.place._put))  # every transfer
+  weights = generator.load(params)
+  generator.generate(weights, prompts, sampling)
+  unseen = chosen.footprint.device[core.SCRATCH]
+  assert 0 < peaks["device"] <= chosen.device_bytes - unseen, (peaks, chosen.footprint)
+  assert peaks[HOST] <= chosen.host_bytes, (peaks, chosen.footprint)
