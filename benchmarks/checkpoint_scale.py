@@ -5,12 +5,12 @@
 
 A llama13b-shaped model with as many layers as the workdir's disk holds one checkpoint of (at most --max_layers),
 one layer per group but the last (--tail_layers); the master weights and optimizer state of a third of its groups on
-the device (as the plan keeps most of llama13b's
-there), the rest in pinned host memory, and XLA's pinned pool capped just above what the step keeps there (as the
-full model fills it on one H200). One process: 3 steps, a save, 3 more steps (the
-uninterrupted run); then the state is freed, restored from the checkpoint and the same 3 steps run again; their
-losses must equal the uninterrupted ones. Host memory (RSS, sampled every 5 ms) above its level just before the
-save / restore is the staging; it must stay within the checkpointer's budget.
+the device (as the plan keeps most of llama13b's there), the rest in pinned host memory, and the host budget (XLA's
+pinned pool, sljax.machines.configure_process) just above what the step keeps there (as the full model fills it on
+one H200). One process: 3 steps, a save, 3 more steps (the uninterrupted run); then the state is freed, restored
+from the checkpoint and the same 3 steps run again; their losses must equal the uninterrupted ones. Host memory
+(RSS, sampled every 5 ms) above its level just before the save / restore is the staging; it must stay within the
+checkpointer's budget.
 """
 
 import dataclasses
@@ -28,10 +28,10 @@ import sljax
 from benchmarks.common import batch_of, define_flags, provenance, write_results
 from models.presets import build, get_config
 from sljax.checkpoint import Checkpointer
-from sljax.machines import GIB, PINNED_POOL_ENV, reserve_gpu_memory
+from sljax.machines import GIB, PINNED_POOL_ENV, configure_process
 from sljax.memory import PeakResident, resident_bytes, tree_bytes
 from sljax.optim import OptimConfig, make_optimizer
-from sljax.schedule import group_bounds, state_on_device
+from sljax.schedule import state_on_device
 
 define_flags("Tiny model on CPU: checks the code path in seconds.")
 flags.DEFINE_string("workdir", "/tmp/sljax_checkpoint_scale", "Where the checkpoint is written (removed after).")
@@ -39,7 +39,8 @@ flags.DEFINE_integer("max_layers", 12, "At most this many llama13b layers (fewer
 flags.DEFINE_integer("rows", 32, "Sequences per step (4 sub-batches).")
 flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 flags.DEFINE_float("staging_gib", 4.0, "The checkpointer's staging budget.")
-flags.DEFINE_float("pool_margin_gib", 4.0, "XLA's pinned pool is capped this far above what the step keeps there.")
+flags.DEFINE_float("pool_margin_gib", 4.0, "The host budget (and so XLA's pinned pool) is this far above what "
+                   "the step keeps there.")
 flags.DEFINE_integer("tail_layers", 0, "The last group's layers (EngineConfig.tail_layers; 0: one layer like the rest).")
 FLAGS = flags.FLAGS
 
@@ -68,15 +69,14 @@ def _free_disk(path: str) -> int:
 
 
 def engine_config(cfg) -> sljax.EngineConfig:
-  groups = len(group_bounds(cfg.num_layers, 1, FLAGS.tail_layers))
-  return sljax.EngineConfig(sub_batches=4, live_layers=1, grad_clip_norm=1.0, tail_layers=FLAGS.tail_layers,
-                            device_state_groups=groups // 3)
+  layout = sljax.EngineConfig(sub_batches=4, live_layers=1, grad_clip_norm=1.0, tail_layers=FLAGS.tail_layers)
+  return dataclasses.replace(layout, device_state_groups=len(layout.bounds(cfg.num_layers)) // 3)
 
 
-def pool_limit_gib(cfg, rows, seq_len) -> int:
+def host_budget_gib(cfg, rows, seq_len) -> int:
   """What the step keeps in pinned memory (state, weight copies, parked gradients, the activation stash) + margin."""
   engine = engine_config(cfg)
-  bounds = group_bounds(cfg.num_layers, 1, engine.tail_layers)
+  bounds = engine.bounds(cfg.num_layers)
   stash = (len(bounds) - 1) * rows * seq_len * cfg.hidden_size * 2
   host_layers = sum(b - a for (a, b), on_device in zip(bounds, state_on_device(len(bounds), engine.device_state_groups))
                     if not on_device)
@@ -86,9 +86,7 @@ def pool_limit_gib(cfg, rows, seq_len) -> int:
 
 def main(argv):
   cfg, rows, seq_len = model_config()
-  if not FLAGS.smoke:  # read when the GPU backend starts, below
-    os.environ[PINNED_POOL_ENV] = str(pool_limit_gib(cfg, rows, seq_len))
-    reserve_gpu_memory()
+  configure_process(host_budget_gib(cfg, rows, seq_len))  # read when the backend starts, below
 
   model = build(cfg)
   optim_cfg = OptimConfig(learning_rate=3e-4, warmup_steps=1, moments_dtype="bfloat16", grad_clip_norm=1.0)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from sljax.machines import PINNED_POOL_ENV, reserve_gpu_memory, xla_memory_env
+from sljax.machines import xla_memory_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
@@ -35,13 +35,6 @@ def define_flags(smoke: str, out: str = "Write the results JSON here."):
   """The flags every absl benchmark takes: --out (where its results go) and --smoke (`smoke`: what it then runs)."""
   flags.DEFINE_string("out", "", out)
   flags.DEFINE_bool("smoke", False, smoke)
-
-
-def set_xla_memory(pinned_pool_gib: int):
-  """Before the backend starts: XLA preallocates nearly all of each GPU (sljax.machines) and caps each GPU's pinned
-  pool at `pinned_pool_gib`, which the benchmark's host budget stays below; values the user set win."""
-  reserve_gpu_memory()
-  os.environ.setdefault(PINNED_POOL_ENV, str(pinned_pool_gib))
 
 
 def batch_of(rows: int, seq: int, vocab: int, seed: int | np.random.Generator = 0) -> dict:

@@ -22,17 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, set_xla_memory, write_results
+from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, write_results
 from models.presets import build, get_config
 from sljax.flags import define
 from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig
 from sljax.generate_plan import memory_budgets, plan
-from sljax.machines import GIB
+from sljax.machines import GIB, configure_process
 from sljax.memory import Placement
-
-# The pinned pool is capped above the default --host_memory_gib: uncapped, it grows by doubling past what the
-# 128 GiB machine has.
-set_xla_memory(pinned_pool_gib=96)
 
 flags.DEFINE_list("models", ["llama70b", "opt-30b"], "Presets to run, in order.")
 flags.DEFINE_integer("prompt_len", 512, "Prompt tokens per row.")
@@ -44,7 +40,9 @@ OFFLOAD = define(OffloadConfig, unset={name: "the plan's choice" for name in ("s
                  help={"resident_bits": "The same for the resident layers.",
                        "weight_group_size": "Rows per scale of compressed kernels."})
 flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit less a margin).")
-flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan may use (below XLA's pinned pool cap).")
+# Its default and its XLA settings are generate.py's: the same flags plan the same layout.
+flags.DEFINE_float("host_memory_gib", 0, "Pinned host memory the plan may use (0: the default host budget, as "
+                   "generate.py's).")
 flags.DEFINE_integer("host_buffers", 0, "Distinct pinned-host weight groups per group size (0: one per streamed "
                      "group); fewer are reused for the rest when the model exceeds host RAM.")
 flags.DEFINE_integer("retries", 2, "On running out of device memory, retry with a 10% smaller device budget.")
@@ -183,8 +181,9 @@ def write(results: list, bandwidth: dict):
 def main(argv):
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments {' '.join(argv[1:])}")
-  try:
-    OFFLOAD.build()  # the layout flags' own checks, before anything is allocated
+  try:  # the layout flags' own checks and XLA's limits, before anything is allocated
+    OFFLOAD.build()
+    configure_process(FLAGS.host_memory_gib)
   except ValueError as error:
     raise SystemExit(f"sljax: {error}")
   bandwidth = measure_bandwidth(int((0.01 if FLAGS.smoke else FLAGS.bandwidth_gib) * GIB))

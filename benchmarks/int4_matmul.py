@@ -14,9 +14,9 @@ Per kernel shape [in, out] and rows (tokens of one decode step), each timed as t
 Bytes are those each call must read and write at least; `gb_per_s` is them over its time, `tflop_per_s` the matmul's.
 All products are checked against each other (`max_abs_diff_vs_dequantize_dot`). `storage`: the device bytes a native
 int4 code takes and its copy time from pinned host memory beside the uint8 layout's (is it packed?). `whole_layer`:
-one llama70b layer dequantized as generation's prompt pass does it (`sljax.generate._dequantize`, every kernel of the
-layer in one call), from native int4 and from the uint8 layout, beside the sum of its kernels' own calls: does one
-call for the whole layer cost what its kernels cost alone?
+one llama70b layer dequantized as generation's prompt pass does it (sljax.quant.dequantize_layers, every kernel of
+the layer in one jitted call), from native int4 and from the uint8 layout, beside the sum of its kernels' own calls:
+does one call for the whole layer cost what its kernels cost alone?
 """
 
 import statistics
@@ -24,15 +24,14 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, write_results
 from models.presets import build, get_config
-from sljax.generate import _dequantize
+from sljax.machines import configure_process
 from sljax.memory import tree_bytes
-from sljax.quant import CODES, QuantConfig, dequantize_kernel, is_packed, map_packed, quantize_kernel, \
-    quantize_layers
+from sljax.quant import CODES, QuantConfig, dequantize_kernel, dequantize_layers, is_packed, map_packed, \
+    quantize_kernel, quantize_layers
 
 define_flags("Tiny kernels on CPU: checks every variant runs and agrees.")
 flags.DEFINE_list("rows", ["32", "256"], "Tokens per call (a decode step's rows).")
@@ -127,7 +126,7 @@ def whole_layer(smoke: bool) -> dict:
   kernels = [node for node in jax.tree.leaves(native, is_leaf=is_packed) if is_packed(node)]
   pairs = map_packed(uint8_pairs, native)
   one = jax.jit(lambda p: dequantize_kernel(p, jnp.bfloat16))
-  ms = {"one_call_int4": timed_ms(lambda t: _dequantize(t, jnp.bfloat16), native),
+  ms = {"one_call_int4": timed_ms(jax.jit(lambda t: dequantize_layers(t, jnp.bfloat16)), native),
         "one_call_uint8": timed_ms(jax.jit(lambda t: map_packed(lambda n: dequantize_pairs(n, jnp.bfloat16), t)),
                                    pairs),
         "kernel_calls_int4": sum(timed_ms(one, kernel) for kernel in kernels)}
@@ -136,6 +135,7 @@ def whole_layer(smoke: bool) -> dict:
 
 def main(argv):
   del argv
+  configure_process()
   kernels, rows = (SMOKE_KERNELS, [4]) if FLAGS.smoke else (LLAMA70B_KERNELS, [int(r) for r in FLAGS.rows])
   if FLAGS.smoke:
     FLAGS.repeats = 2

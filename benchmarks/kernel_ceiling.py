@@ -31,7 +31,7 @@ from absl import app, flags
 from benchmarks.common import TRAINING_SMOKE, TRAINING_SMOKE_ROWS, TRAINING_SMOKE_SEQ, define_flags, provenance, \
     write_results
 from models.presets import build, get_config, parse_overrides
-from sljax.machines import rates_of
+from sljax.machines import configure_process, rates_of
 from sljax.schedule import Engine, EngineConfig
 
 FLAGS = flags.FLAGS
@@ -144,6 +144,7 @@ def ceilings(model, rows: int, seq: int, sub_batches: int, live_layers: int = 1,
 
 def main(argv):
   del argv
+  configure_process()
   rows, seq = (TRAINING_SMOKE_ROWS, TRAINING_SMOKE_SEQ) if FLAGS.smoke else (FLAGS.rows, FLAGS.seq_len)
   try:
     cfg = get_config(FLAGS.model, {**parse_overrides(FLAGS.set), **(TRAINING_SMOKE if FLAGS.smoke else {})})

@@ -5,13 +5,13 @@ state through the project's checkpointer, and the step after each compared.
   python -m benchmarks.lora_throughput --models=llama70b,llama13b --out=benchmarks/results/lora_llama70b_h200.json
   python -m benchmarks.lora_throughput --smoke --out=/tmp/lora_smoke.json   # tiny shapes, any machine
 
-Per model: the plan (sljax.lora.plan_lora) for --seq_len; the base made one group at a time straight into its place;
-one warm-up step (it compiles), --steps timed steps. Recorded: tokens/s; mfu = tokens/s x FLOPs per token / peak,
-with FLOPs per token from sljax.lora.lora_flops_per_token (base matmuls forward and input-gradient, the forward once
-more for each recomputed layer, the adapters' forward, recompute and both gradients, causal attention, the head's
-forward and input gradient; no weight gradient of the base exists); PCIe bytes per step (counted by the placement);
-peak device memory and host RSS. Then: save the state, one more step (loss A), restore the saved state, the same
-step again (loss B): A must equal B.
+Per model: the plan (sljax.lora.plan.plan_lora) for --seq_len; the base made one group at a time straight into its
+place; one warm-up step (it compiles), --steps timed steps. Recorded: tokens/s; mfu = tokens/s x FLOPs per token /
+peak, with FLOPs per token from sljax.lora.engine.lora_flops_per_token (base matmuls forward and input-gradient, the
+forward once more for each recomputed layer, the adapters' forward, recompute and both gradients, causal attention,
+the head's forward and input gradient; no weight gradient of the base exists); PCIe bytes per step (counted by the
+placement); peak device memory and host RSS. Then: save the state, one more step (loss A), restore the saved state,
+the same step again (loss B): A must equal B.
 """
 
 import dataclasses
@@ -25,11 +25,14 @@ import numpy as np
 import optax
 from absl import app, flags
 
-from benchmarks.common import batch_of, define_flags, provenance, set_xla_memory, write_results
+from benchmarks.common import batch_of, define_flags, provenance, write_results
 from models.presets import build, get_config
 from sljax.checkpoint import Checkpointer
-from sljax.lora import LoraConfig, LoraEngine, LoraModel, lora_flops_per_token, plan_lora
-from sljax.machines import GIB, Budget, default_budget, rates_of
+from sljax.lora.engine import LoraEngine, lora_flops_per_token
+from sljax.lora.model import LoraConfig, LoraModel
+from sljax.footprint import pass_copy_seconds
+from sljax.lora.plan import plan_lora
+from sljax.machines import GIB, Budget, configure_process, default_budget, rates_of
 
 define_flags("Tiny llama on CPU with a budget that makes half its base stream: checks the code path.")
 flags.DEFINE_list("models", ["llama70b", "llama13b"], "Presets to fine-tune, one after another in this process.")
@@ -37,9 +40,10 @@ flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 flags.DEFINE_integer("batch", 0, "Rows per step (0: the plan's).")
 flags.DEFINE_integer("lora_rank", 16, "Adapter rank.")
 flags.DEFINE_integer("steps", 3, "Timed steps after the warm-up step.")
-flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan may use (below XLA's pinned pool cap).")
+flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan may use (and XLA's pinned pool, as train.py's "
+                   "--host_memory_gib sets it).")
 flags.DEFINE_float("device_memory_gib", 0, "Device memory the plan may use (0: the allocator's limit; the plan keeps "
-                   "sljax.lora.GPU_MARGIN_BYTES of it unplanned).")
+                   "sljax.footprint.GPU_MARGIN_BYTES of it unplanned).")
 flags.DEFINE_string("workdir", "/tmp/sljax_lora_checkpoint", "Where the adapters' checkpoint goes (removed after).")
 FLAGS = flags.FLAGS
 
@@ -86,8 +90,8 @@ def run(name: str, budget: Budget, overrides: dict) -> dict:
       "model": name, "lora_rank": FLAGS.lora_rank, "seq_len": seq, "batch": plan.batch,
       "plan": dataclasses.asdict(plan.engine), "plan_device_bytes": plan.device_bytes,
       "plan_host_bytes": plan.host_bytes, "plan_compute_bound": plan.compute_bound,
-      "plan_seconds": {"forward": plan.forward_seconds, "forward_copies": plan.forward_copy_seconds,
-                       "backward": plan.backward_seconds, "backward_copies": plan.backward_copy_seconds},
+      "plan_seconds": {name: {"compute": phase.compute_seconds, "copies": pass_copy_seconds(plan.machine, phase)}
+                       for name, phase in plan.phases.items()},
       "step_seconds": step_s, "step_times": times, "tokens_per_s": tokens_per_s,
       "flops_per_token": flops, "mfu": tokens_per_s * flops / peak,
       "pcie_bytes_per_step": moved, "pcie_seconds_per_step_at_the_copy_rates": copy_s,
@@ -129,7 +133,7 @@ def save_and_resume(engine: LoraEngine, state, batch) -> dict:
 
 def main(argv):
   del argv
-  set_xla_memory(int(FLAGS.host_memory_gib) + 8)
+  configure_process(FLAGS.host_memory_gib)
   results = []
   if FLAGS.smoke:
     FLAGS.seq_len, FLAGS.steps, FLAGS.lora_rank = 16, 2, 4

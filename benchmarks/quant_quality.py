@@ -20,6 +20,7 @@ from absl import app, flags
 from benchmarks.common import define_flags, provenance, write_results
 from models.presets import build, get_config
 from sljax.data import DataConfig, make_source
+from sljax.machines import configure_process
 from sljax.memory import tree_bytes
 from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
 
@@ -44,6 +45,7 @@ def overrides() -> dict:
 
 def main(argv):
   del argv
+  configure_process()
   steps, eval_batches = (10, 2) if FLAGS.smoke else (FLAGS.steps, FLAGS.eval_batches)
   batch_size, seq_len = (4, 32) if FLAGS.smoke else (FLAGS.batch_size, FLAGS.seq_len)
   cfg = get_config(FLAGS.model, {**overrides(), "dtype": "float32"})

@@ -1,10 +1,11 @@
-"""The README's result tables, made from the files under benchmarks/results/: a number in the README is one of theirs.
+"""The result tables of README.md and docs/results.md, made from the files under benchmarks/results/: a number in a
+table is one of theirs.
 
   python -m benchmarks.results_tables            # prints every table
-  python -m benchmarks.results_tables --write    # rewrites the README's tables in place
+  python -m benchmarks.results_tables --write    # rewrites the tables in README.md and docs/results.md in place
 
-Each table sits in the README between `<!-- results: NAME -->` and `<!-- end results -->`; tests/test_benchmarks.py
-checks that the README holds exactly what the files give.
+Each table sits in its file (FILES says which) between `<!-- results: NAME -->` and `<!-- end results -->`;
+tests/test_benchmarks.py checks that each file holds exactly its tables, as the result files give them now.
 """
 
 import json
@@ -17,12 +18,12 @@ from absl import app, flags
 from benchmarks import trace_overlap
 from benchmarks.common import REPO
 from models.presets import build, get_config
-from sljax.lora import LoraConfig, LoraModel, lora_flops_per_token
+from sljax.lora.engine import lora_flops_per_token
+from sljax.lora.model import LoraConfig, LoraModel
 
 RESULTS = os.path.join(REPO, "benchmarks", "results")
-README = os.path.join(REPO, "README.md")
 
-flags.DEFINE_bool("write", False, "Rewrite the README's tables instead of printing them.")
+flags.DEFINE_bool("write", False, "Rewrite the tables in the files that hold them instead of printing them.")
 FLAGS = flags.FLAGS
 
 # What each row ran, in words the files do not hold (their numbers come from the files; {field}: the row's engine's).
@@ -37,8 +38,8 @@ TRAIN_THROUGHPUT_CASES = {
     "fits/engine": "the engine, plan placement (everything on the GPU; 2 sub-batches of 8; all 8 layers one tail "
                    "group)",
 }
-TRAIN_PY_RUNS = {  # model: (its step, its batch)
-    "llama13b": ("offload engine, 26 of 40 groups' state on the GPU", "32 x 2048 (the plan's)"),
+TRAIN_PY_RUNS = {  # model: (its step, its batch); {device_state_groups}: from the run's printed plan
+    "llama13b": ("offload engine, {device_state_groups} of 40 groups' state on the GPU", "32 x 2048 (the plan's)"),
     "llama7b": ("on-device (its state fits)", "8 x 2048"),
 }
 VS_DEEPSPEED = {  # table: (file, run, the sljax row's words)
@@ -96,6 +97,8 @@ def train_py() -> str:
     losses = run["losses"]
     loss = (f"{losses[0]:.2f}, {max(losses[1:]):.2f}, {statistics.mean(losses[:10]):.2f} / "
             f"{statistics.mean(losses[-10:]):.2f}")
+    kept = re.search(r"(\d+) group\(s\) keep master weights", run["plan"] or "")
+    step = step.format(device_state_groups=kept and kept[1])
     rows.append([f"`--model={model}`", step, batch, f"{run['tokens_per_s_steady']:,.0f}",
                  _percent(run["mfu_steady"]), loss])
   return _table(["command", "step", "batch", "steady tokens/s", "MFU",
@@ -192,16 +195,21 @@ def generate_vs_peers() -> str:
                 ["---", "---", "---", "---", "---:", "---:", "---:"], rows)
 
 
+def _lora_run(r: dict) -> tuple[str, float]:
+  """A LoRA run's base placement in words, and its MFU with the recompute's FLOPs left out."""
+  model = LoraModel(build(get_config(r["model"])), LoraConfig(rank=r["lora_rank"]))
+  layers, resident = model.cfg.num_layers, r["plan"]["resident_layers"]
+  placed = (f"all {layers} layers resident" if resident == layers else
+            f"{resident} of {layers} layers resident, {layers - resident} streamed")
+  return placed, r["mfu"] * lora_flops_per_token(model, r["seq_len"], 0) / r["flops_per_token"]
+
+
 def lora() -> str:
   """The LoRA runs. Peaks are the process's: a second model in the same run shows the first's when it was higher."""
   data, rows = _load("lora_llama70b_h200.json"), []
   for i, r in enumerate(data["results"]):
-    plan, moved = r["plan"], r["pcie_bytes_per_step"]
-    model = LoraModel(build(get_config(r["model"])), LoraConfig(rank=r["lora_rank"]))
-    layers = model.cfg.num_layers
-    placed = (f"all {layers} layers resident" if plan["resident_layers"] == layers else
-              f"{plan['resident_layers']} of {layers} layers resident, {layers - plan['resident_layers']} streamed")
-    no_recompute = r["mfu"] * lora_flops_per_token(model, r["seq_len"], 0) / r["flops_per_token"]
+    moved = r["pcie_bytes_per_step"]
+    placed, no_recompute = _lora_run(r)
     peaks = (f"{r['peak_device_bytes'] / 2**30:.1f} / {r['peak_host_rss_bytes'] / 2**30:.1f}" if i == 0 else
              "(same process)")
     rows.append([r["model"], f"{r['batch']} x {r['seq_len']}", placed, f"{r['tokens_per_s']:,.0f}", _percent(r["mfu"]),
@@ -213,32 +221,78 @@ def lora() -> str:
                 ["---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"], rows)
 
 
-TABLES = {"train_throughput": train_throughput, "generate_vs_peers": generate_vs_peers, "lora": lora, "train_py": train_py, "generate_int4": generate_int4,
+def headline() -> str:
+  """The README's few numbers, each row from the file it names."""
+  train = _load("train_py_llama13b_default_h200.json")
+  runs = _load("vs_deepspeed_llama13b_h200.json")["runs"]["llama13b"]
+  ours, deepspeed = runs["sljax"], runs["deepspeed"]
+  lora_run = _load("lora_llama70b_h200.json")["results"][0]
+  placed, no_recompute = _lora_run(lora_run)
+  peers = _load("generate_vs_peers_h200.json")["models"]
+
+  def rate(figures: dict, kind: str) -> str:
+    return f"{figures[f'best_{kind}']['generated_tokens_per_s']:,.1f} tok/s"
+
+  def peers_row(model: str, kind: str, weights: str) -> list[str]:
+    entry = peers[model]
+    against = [(name, key) for name, key in (("FlexGen", "flexgen"), ("ZeRO-Inference", "zero_inference"))
+               if entry["ratios"][f"sljax_over_{key}"][kind] is not None]
+    return [f"{model} generation, {weights}", rate(entry["systems"]["sljax"], kind),
+            "; ".join(f"{name} {rate(entry['systems'][key], kind)}" for name, key in against),
+            ", ".join(f"{entry['ratios'][f'sljax_over_{key}'][kind]:.2f}x" for _, key in against),
+            "`generate_vs_peers_h200.json`"]
+
+  rows = [["llama13b training, `train.py --model=llama13b` (32 x 2048, the plan's batch)",
+           f"{train['tokens_per_s_steady']:,.0f} tok/s, {_percent(train['mfu_steady'])} MFU", "—", "—",
+           "`train_py_llama13b_default_h200.json`"],
+          ["llama13b training beside DeepSpeed (batch 32 x 2048, one system after the other)",
+           f"{ours['tokens_per_s']:,.0f} tok/s, {_percent(ours['mfu'])} MFU",
+           f"DeepSpeed ZeRO-3 offload {deepspeed['tokens_per_s']:,.0f} tok/s, {_percent(deepspeed['mfu'])} MFU",
+           f"{ours['tokens_per_s'] / deepspeed['tokens_per_s']:.2f}x", "`vs_deepspeed_llama13b_h200.json`"],
+          [f"LoRA llama70b, rank {lora_run['lora_rank']}, {lora_run['batch']} x {lora_run['seq_len']} ({placed})",
+           f"{lora_run['tokens_per_s']:,.0f} tok/s, {_percent(no_recompute)} MFU ({_percent(lora_run['mfu'])} with "
+           "the recompute)", "—", "—", "`lora_llama70b_h200.json`"],
+          peers_row("llama70b", "compressed", "int4 weights"), peers_row("opt-66b", "compressed", "int4 weights"),
+          peers_row("opt-66b", "exact", "16-bit weights")]
+  return _table(["on one H200", "sljax", "against", "sljax / it", "from benchmarks/results/"],
+                ["---", "---:", "---", "---:", "---"], rows)
+
+
+TABLES = {"headline": headline, "train_throughput": train_throughput, "generate_vs_peers": generate_vs_peers,
+          "lora": lora, "train_py": train_py, "generate_int4": generate_int4,
           "vs_deepspeed_llama13b": lambda: vs_deepspeed("vs_deepspeed_llama13b"),
           "vs_deepspeed_fits": lambda: vs_deepspeed("vs_deepspeed_fits"), "generate_vs_accelerate": generate_vs_accelerate,
           "scaling": scaling, "checkpoint_scale": checkpoint_scale}
+FILES = {  # file, from the repository root: the tables it holds (each table in one file)
+    "README.md": ("headline",),
+    "docs/results.md": ("train_py", "train_throughput", "vs_deepspeed_llama13b", "vs_deepspeed_fits",
+                        "generate_vs_accelerate", "generate_vs_peers", "generate_int4", "lora", "scaling",
+                        "checkpoint_scale"),
+}
 # A section's body never spans another section's start: an empty body ends at its own end marker.
 _SECTION = re.compile(r"(<!-- results: (?P<name>\w+) -->\n)(?P<body>(?:(?!<!-- results:).)*?)(\n?<!-- end results -->)",
                       re.S)
 
 
-def readme_tables(text: str) -> dict[str, str]:
-  """{name: the table the README holds} for every marked section."""
+def marked_tables(text: str) -> dict[str, str]:
+  """{name: the table the text holds} for every marked section."""
   return {match["name"]: match["body"] for match in _SECTION.finditer(text)}
 
 
 def with_tables(text: str) -> str:
-  """The README text with every marked section's table made anew from the files."""
+  """The text with every marked section's table made anew from the files."""
   return _SECTION.sub(lambda match: match[1] + TABLES[match["name"]]() + "\n<!-- end results -->", text)
 
 
 def main(argv):
   del argv
   if FLAGS.write:
-    with open(README) as f:
-      text = f.read()
-    with open(README, "w") as f:
-      f.write(with_tables(text))
+    for name in FILES:
+      path = os.path.join(REPO, name)
+      with open(path) as f:
+        text = f.read()
+      with open(path, "w") as f:
+        f.write(with_tables(text))
     return
   for name, make in TABLES.items():
     print(f"{name}:\n{make()}\n")

@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from benchmarks.common import (REPO, batch_of, define_flags, provenance, set_xla_memory, timed,  # noqa: E402
+from benchmarks.common import (REPO, batch_of, define_flags, provenance, timed,  # noqa: E402
                                write_results)
 from models.presets import build, get_config  # noqa: E402
 from sljax import machines, metrics  # noqa: E402
@@ -135,7 +135,7 @@ def main(argv):
     return
   # Data parallel keeps a full copy of the host-resident state per GPU: cap each GPU's pinned pool just above the
   # plan's per-GPU budget, or two pools doubling past their buffers take more than the machine has.
-  set_xla_memory(pinned_pool_gib=int(FLAGS.host_memory_gib * 1.05))
+  machines.configure_process(FLAGS.host_memory_gib * machines.local_gpu_count())
   gpus, seq, rows = FLAGS.gpus, FLAGS.seq_len, FLAGS.rows_per_gpu
   overrides = {"remat": False}  # the engine's backward recomputes each group: no per-layer remat on top
   if FLAGS.smoke:

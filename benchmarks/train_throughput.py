@@ -52,21 +52,18 @@ from jax import lax
 
 from benchmarks import trace_overlap
 from benchmarks.common import (TRAINING_SMOKE, TRAINING_SMOKE_ROWS, TRAINING_SMOKE_SEQ, batch_of, define_flags,
-                               provenance, set_xla_memory, timed, write_results)
+                               provenance, timed, write_results)
 from benchmarks.kernel_ceiling import SMOKE_SUSTAIN_S, SUSTAIN_S, ceilings, hardware_flops_per_token
 from models.presets import build, get_config, parse_overrides
 from sljax import launch
 from sljax import plan as planner
-from sljax.machines import GIB, default_budget, rates_of
+from sljax.machines import GIB, configure_process, default_budget, rates_of
 from sljax.memory import Placement, prefetch
 from sljax.mesh import make_mesh
+from sljax.request import LaunchConfig, Request
 from sljax.schedule import Engine
+from sljax.steps import offload_engine
 from sljax.trainer import RunConfig
-
-# The pinned pool is capped above the plan's default --host_memory_gib: uncapped, it grows by doubling past what the
-# 128 GiB machine has. (train.py caps it at the default host budget, about 94 GiB there, which big_clip and llama7b
-# plan for: the cap bounds the pool's growth, not the plan.)
-set_xla_memory(pinned_pool_gib=96)
 
 CASES = ("big", "big_clip", "llama7b", "fits")
 FITS_CASES = ("device_remat", "device_no_remat", "engine", "streamed", "per_micro_batch", "in_jit_scan")
@@ -353,9 +350,8 @@ def as_train_py_case(name, preset, seq, key, sub_batches=0, tail_layers=0):
   overrides = tuple(f"{field}={value}" for field, value in TRAINING_SMOKE.items()) if FLAGS.smoke else ()
   # Smoke: one row, where the plan would fill a sub-batch of 16384 tokens (512 rows of 32).
   data = {"seq_len": seq, **({"batch_size": TRAINING_SMOKE_ROWS} if FLAGS.smoke else {})}
-  request = launch.Request(launch.LaunchConfig(model=preset, overrides=overrides, engine="offload",
-                                               sub_batches=sub_batches, tail_layers=tail_layers),
-                           RunConfig(steps=FLAGS.steps + 1), data=data)
+  request = Request(LaunchConfig(model=preset, overrides=overrides, engine="offload", sub_batches=sub_batches,
+                                 tail_layers=tail_layers), RunConfig(steps=FLAGS.steps + 1), data=data)
   printed = io.StringIO()  # what train.py prints of its choices: recorded with the result
   try:
     with contextlib.redirect_stdout(printed):
@@ -364,7 +360,7 @@ def as_train_py_case(name, preset, seq, key, sub_batches=0, tail_layers=0):
       model_cfg, data_cfg, optim_cfg, engine_cfg = launch.choose_engine(request, configs, one_device)
   finally:
     print(printed.getvalue(), end="", flush=True)
-  engine = launch.offload_engine(build(model_cfg), optim_cfg, engine_cfg)
+  engine = offload_engine(build(model_cfg), optim_cfg, engine_cfg)
   result = run_engine(name, engine, batch_of(data_cfg.batch_size, seq, model_cfg.vocab_size), FLAGS.steps, key)
   keep({**result, "optimizer": optim_cfg.describe(), "launch_output": printed.getvalue().splitlines()})
 
@@ -384,6 +380,9 @@ def check_flags():
 def main(argv):
   del argv
   check_flags()
+  # train.py's XLA settings for the default host budget, which big_clip and llama7b plan for as train.py does; big's
+  # smaller --host_memory_gib fits in that pool.
+  configure_process()
   key = jax.random.key(0)
   seq = seq_len()
   RESULTS.extend(earlier_results(seq))

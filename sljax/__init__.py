@@ -19,9 +19,9 @@ needs: inference never loads the training engine.
 import importlib
 
 _HOMES = {"Budget": "sljax.machines", "Engine": "sljax.schedule", "EngineConfig": "sljax.schedule",
-          "LoraConfig": "sljax.lora", "LoraEngine": "sljax.lora", "LoraEngineConfig": "sljax.lora",
-          "LoraModel": "sljax.lora", "Placement": "sljax.memory", "default_budget": "sljax.machines",
-          "make_plan": "sljax.plan", "model_sizes": "sljax.sizes", "plan_lora": "sljax.lora"}
+          "LoraConfig": "sljax.lora.model", "LoraEngine": "sljax.lora.engine", "LoraEngineConfig": "sljax.lora.engine",
+          "LoraModel": "sljax.lora.model", "Placement": "sljax.memory", "default_budget": "sljax.machines",
+          "make_plan": "sljax.plan", "model_sizes": "sljax.sizes", "plan_lora": "sljax.lora.plan"}
 __all__ = sorted(_HOMES)
 
 

@@ -1,7 +1,7 @@
 """From a generation request to its records: the model and its weights (Hugging Face files, an sljax checkpoint, a
 LoRA run's adapters merged into their base, or a random init), the prompts through the tokenizer, the plan, and the
 batches through OffloadedGenerator. generate.py is these functions behind flags. Imports nothing from training but
-the checkpoint readers (sljax.checkpoint's, sljax.lora's).
+the checkpoint readers (sljax.checkpoint's, sljax.lora.checkpoint's).
 
   job = generate_launch.prepare(GenerateConfig(random_weights=True, prompt_file="prompts.txt"), SamplingConfig())
   for record in generate_launch.generate(job):
@@ -10,8 +10,10 @@ the checkpoint readers (sljax.checkpoint's, sljax.lora's).
 Messages call GenerateConfig's fields by their generate.py flags (--prompt_file, --hf_dir).
 """
 
+import contextlib
 import dataclasses
 import os
+import sys
 import typing
 from typing import NamedTuple
 
@@ -24,8 +26,9 @@ from sljax.checkpoint import newest_checkpoint, restore_params
 from sljax.data import load_tokenizer
 from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig
 from sljax.generate_plan import memory_budgets, plan
-from sljax.lora import MergedWeights, base_weights, open_checkpoint, read_adapters
-from sljax.machines import GIB
+from sljax.lora.checkpoint import MergedWeights, base_weights, open_checkpoint, read_adapters
+from sljax.machines import GIB, MACHINES, check_budget_gib
+from sljax.memory import MemoryPeaks
 
 DEFAULT_MODEL = "llama-tiny"  # train.py's too: a checkpoint of `python train.py` needs no --model
 
@@ -53,11 +56,25 @@ class GenerateConfig:
   kv_on_host: bool | None = None  # KV cache in pinned host memory (default: the plan chooses)
   streamed_bits: int = 16  # streamed layers' matmul kernels: 16 (the compute dtype, exact), or int8 / int4 codes
   resident_bits: int = 16  # the same for the layers kept on the device
-  # device memory the plan may use (0: the allocator's limit less 3% and 1 GiB; on CPU, 45% of RAM less those)
+  # device memory the plan may use (0: the allocator's limit; on CPU, 45% of RAM); a GPU plan leaves
+  # sljax.footprint.GPU_MARGIN_BYTES of it unplanned
   device_memory_gib: float = 0
   # pinned host memory the plan may use (0: the default host budget, sljax.machines.default_budget)
   host_memory_gib: float = 0
   plan: bool = False  # print the plan (layout, memory, bytes moved per token, estimate) and exit
+  # with --plan: plan for one GPU of this kind (its allocator limit, pinned budget and rates from sljax.machines)
+  # instead of this machine's device
+  target: typing.Literal[("", *MACHINES)] = ""
+  # print the plan, and at the end the memory peaks (live arrays per memory kind, sampled by a thread; the device
+  # allocator's), to stderr: what benchmarks.plan_vs_peak compares with the plan
+  memory_peaks: bool = False
+
+  def __post_init__(self):
+    check_budget_gib(device_memory_gib=self.device_memory_gib, host_memory_gib=self.host_memory_gib)
+    if self.target not in MACHINES and self.target:  # the flag checks it; a library caller's typo must not plan
+      raise ValueError(f"--target must be one of {', '.join(map(repr, MACHINES))}, got {self.target!r}")
+    if self.target and not self.plan:
+      raise ValueError(f"--target={self.target} plans for a machine this is not: use it with --plan")
 
 
 class Generation(NamedTuple):
@@ -136,16 +153,14 @@ def read_prompts(path: str) -> list[str]:
 
 def make_plan(request: GenerateConfig, cfg: ModelConfig, prompt_len: int, new_tokens: int, prompts: int):
   """sljax.generate_plan.plan within the request's budgets, the layout it fixes applied."""
-  for name in ("device_memory_gib", "host_memory_gib"):
-    if getattr(request, name) < 0:
-      raise ValueError(f"--{name} must be >= 0 (0: the default), got {getattr(request, name)}")
-  device, host = memory_budgets()
+  target = MACHINES[request.target] if request.target else None
+  device, host = memory_budgets(target)
   return plan(
       cfg, prompt_len, new_tokens, int(request.device_memory_gib * GIB) or device,
       int(request.host_memory_gib * GIB) or host, batch=request.batch or None, sub_batches=request.sub_batches or None,
       live_layers=request.live_layers, resident_layers=None if request.resident_layers < 0 else request.resident_layers,
       kv_on_host=request.kv_on_host, max_batch=prompts or 1024, streamed_bits=request.streamed_bits,
-      resident_bits=request.resident_bits)
+      resident_bits=request.resident_bits, target=target)
 
 
 def open_weights(request: GenerateConfig, cfg: ModelConfig):
@@ -187,7 +202,8 @@ def prepare(request: GenerateConfig, sampling: SamplingConfig) -> Generation:
   chosen = make_plan(request, cfg, prompt_len, sampling.max_new_tokens, len(prompts))
   if request.plan:
     name = request.lora_checkpoint or request.hf_dir or request.checkpoint or request.model or DEFAULT_MODEL
-    print(f"plan for {name} on {jax.devices()[0].device_kind}:\n"
+    on = f"one {request.target} (--target)" if request.target else jax.devices()[0].device_kind
+    print(f"plan for {name} on {on}:\n"
           f"{chosen.describe(cfg)}")
     return Generation(request, cfg, sampling, texts, prompts, prompt_len, decode, chosen, None)
   if not (request.hf_dir or request.checkpoint or request.random_weights or request.lora_checkpoint):
@@ -198,15 +214,28 @@ def prepare(request: GenerateConfig, sampling: SamplingConfig) -> Generation:
 def generate(job: Generation) -> typing.Iterator[dict]:
   """{"prompt", "completion", "tokens": ids generated, the stop token included} of each prompt, in order, yielded as
   each batch of them is done."""
-  generator = OffloadedGenerator(build(job.model), job.plan.offload)
-  weights = generator.init(jax.random.key(job.sampling.seed)) if job.weights is None else generator.load(job.weights)
-  batch_size, sampling = job.plan.batch, job.sampling
-  for first in range(0, len(job.prompts), batch_size):
-    batch = job.prompts[first:first + batch_size]
-    filler = [batch[-1]] * (batch_size - len(batch))  # the last batch runs full size: same shapes, no recompile
-    batch_sampling = dataclasses.replace(sampling, seed=sampling.seed + first)  # fresh draws for every batch
-    result = generator.generate(weights, batch + filler, batch_sampling, prompt_len=job.prompt_len)
-    for i in range(len(batch)):
-      ids = [int(t) for t in result.tokens[i, :result.lengths[i]]]
-      kept = ids[:-1] if ids and ids[-1] in sampling.stop_tokens else ids
-      yield {"prompt": job.texts[first + i], "completion": job.decode(kept), "tokens": ids}
+  peaks = MemoryPeaks() if job.request.memory_peaks else contextlib.nullcontext()
+  if job.request.memory_peaks:
+    print(f"plan:\n{job.plan.describe(job.model)}", file=sys.stderr, flush=True)
+  with peaks:
+    generator = OffloadedGenerator(build(job.model), job.plan.offload)
+    weights = (generator.init(jax.random.key(job.sampling.seed)) if job.weights is None
+               else generator.load(job.weights))
+    batch_size, sampling = job.plan.batch, job.sampling
+    batches = -(-len(job.prompts) // batch_size)
+    for first in range(0, len(job.prompts), batch_size):
+      batch = job.prompts[first:first + batch_size]
+      filler = [batch[-1]] * (batch_size - len(batch))  # the last batch runs full size: same shapes, no recompile
+      batch_sampling = dataclasses.replace(sampling, seed=sampling.seed + first)  # fresh draws for every batch
+      result = generator.generate(weights, batch + filler, batch_sampling, prompt_len=job.prompt_len)
+      seconds = result.prefill_seconds + result.decode_seconds
+      print(f"batch {first // batch_size + 1} of {batches}: {batch_size} rows, prompt pass {result.prefill_seconds:.2f}"
+            f" s{' (compiles)' if not first else ''}, {sampling.max_new_tokens - 1} decode passes "
+            f"{result.decode_seconds:.2f} s: {batch_size * sampling.max_new_tokens / seconds:.1f} generated tok/s",
+            file=sys.stderr, flush=True)
+      for i in range(len(batch)):
+        ids = [int(t) for t in result.tokens[i, :result.lengths[i]]]
+        kept = ids[:-1] if ids and ids[-1] in sampling.stop_tokens else ids
+        yield {"prompt": job.texts[first + i], "completion": job.decode(kept), "tokens": ids}
+  if job.request.memory_peaks:
+    print(peaks.line(), file=sys.stderr, flush=True)

@@ -5,8 +5,8 @@ that transformers' from_pretrained loads: the newest checkpoint's adapters folde
   python -m sljax.lora_export --checkpoint runs/llama7b-lora --hf_dir /data/Llama-2-7b-hf --out llama7b-merged
 
 The base is the one the checkpoint names (--hf_dir: that base, read from there), read, merged and written one shard
-of layers at a time (sljax.lora.MergedWeights, models.hf.save_hf_shards), so a model larger than host RAM exports;
-in the run's param dtype (--set param_dtype=bfloat16 writes an fp32 run's in bf16, half the bytes).
+of layers at a time (sljax.lora.checkpoint.MergedWeights, models.hf.save_hf_shards), so a model larger than host RAM
+exports; in the run's param dtype (--set param_dtype=bfloat16 writes an fp32 run's in bf16, half the bytes).
 """
 
 import dataclasses
@@ -20,7 +20,8 @@ from models.config import ModelConfig
 from models.hf import save_hf_shards
 from models.presets import parse_overrides
 from sljax.flags import define
-from sljax.lora import MergedWeights, base_weights, open_checkpoint, read_adapters
+from sljax.lora.checkpoint import MergedWeights, base_weights, open_checkpoint, read_adapters
+from sljax.machines import configure_process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,7 @@ def main(argv):
   if len(argv) > 1:
     raise SystemExit(f"sljax: unexpected arguments {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)  # orbax's INFO lines for every part read
+  configure_process()
   try:
     request = EXPORT.build()
     model_cfg = export(request)

@@ -4,6 +4,7 @@ Measured values say where they were measured; the others say what they assume.""
 
 import dataclasses
 import glob
+import math
 import os
 
 import jax
@@ -146,6 +147,22 @@ def cap_pinned_pools(process_bytes: float | None = None):
   os.environ.setdefault(PINNED_POOL_ENV, str(max(int(process_bytes / local_gpu_count() / GIB), 1)))
 
 
+# An explicit host budget's pools are capped this much above it: the pool rounds its regions up, and what the plan puts
+# on the host must fit.
+PINNED_POOL_HEADROOM = 1.1
+
+
+def configure_process(host_memory_gib: float = 0):
+  """XLA's memory settings of a process, one rule for every CLI and benchmark, so that each plans under the same
+  limits for the same flags: XLA preallocates XLA_MEMORY_FRACTION of each GPU, and each GPU's pinned pool is capped
+  at its share of `host_memory_gib` (the process's pinned host budget) plus PINNED_POOL_HEADROOM, or with 0 at its
+  share of the default host budget. Values the user set win. Call it before anything touches a device; ValueError
+  for a budget that is not a number of GiB >= 0."""
+  check_budget_gib(host_memory_gib=host_memory_gib)
+  reserve_gpu_memory()
+  cap_pinned_pools(host_memory_gib * GIB * PINNED_POOL_HEADROOM if host_memory_gib else None)
+
+
 def pinned_pool_bytes() -> int:
   """Each GPU's pinned pool cap in force (XLA's default when unset)."""
   return int(os.environ.get(PINNED_POOL_ENV, XLA_PINNED_POOL_GIB)) * GIB
@@ -164,6 +181,14 @@ class Budget:
 
   device_bytes: int
   host_bytes: int
+
+
+def check_budget_gib(**budgets_gib: float):
+  """ValueError unless each budget (a flag's name: GiB) is a finite number >= 0, 0 meaning the default budget: checked
+  before anything is allocated, as int(inf GiB) would fail only later, in a traceback."""
+  for name, gib in budgets_gib.items():
+    if not (math.isfinite(gib) and gib >= 0):
+      raise ValueError(f"--{name} must be a number of GiB >= 0 (0: the default), got {gib}")
 
 
 def default_budget(device: jax.Device | None = None, sharing: int = 1) -> Budget:

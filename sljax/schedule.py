@@ -71,6 +71,13 @@ class EngineConfig:
   # a tail of every layer is a step with no recompute at all. 0: the last group is the last of the live_layers groups.
   tail_layers: int = 0
 
+  def bounds(self, num_layers: int) -> list[tuple[int, int]]:
+    """[start, stop) of each layer group of a model of num_layers layers: groups of live_layers (the last may be
+    shorter), then a tail group of the last tail_layers layers when tail_layers > 0."""
+    head = num_layers - self.tail_layers
+    return ([(a, min(a + self.live_layers, head)) for a in range(0, head, self.live_layers)]
+            + ([(head, num_layers)] if self.tail_layers else []))
+
 
 # Replaced host buffers are freed this many retirements (about two layer groups) after their last copy was issued.
 RETIRE_LAG = 4
@@ -95,19 +102,16 @@ def state_on_device(groups: int, device_groups: int) -> list[bool]:
 
 
 def group_bounds(num_layers: int, live_layers: int, tail_layers: int = 0) -> list[tuple[int, int]]:
-  """[start, stop) of each group: groups of live_layers (the last may be shorter), then a tail group of the last
-  tail_layers layers when tail_layers > 0."""
-  head = num_layers - tail_layers
-  return ([(a, min(a + live_layers, head)) for a in range(0, head, live_layers)]
-          + ([(head, num_layers)] if tail_layers else []))
+  """The bounds of an EngineConfig of these layers per group (EngineConfig.bounds), for sljax.plan."""
+  return EngineConfig(live_layers=live_layers, tail_layers=tail_layers).bounds(num_layers)
 
 
 def layout_of(group_layers: list[int]) -> tuple[int, int]:
-  """(live_layers, tail_layers) whose `group_bounds` are groups of these many layers, in order: the layout of engine
-  state (a checkpoint's, say) from its groups' sizes. ValueError when no layout makes them."""
+  """(live_layers, tail_layers) whose `EngineConfig.bounds` are groups of these many layers, in order: the layout of
+  engine state (a checkpoint's, say) from its groups' sizes. ValueError when no layout makes them."""
   live, tail = group_layers[0], group_layers[-1]
   starts = np.cumsum([0, *group_layers]).tolist()
-  if group_bounds(starts[-1], live, tail) != list(zip(starts[:-1], starts[1:])):
+  if EngineConfig(live_layers=live, tail_layers=tail).bounds(starts[-1]) != list(zip(starts[:-1], starts[1:])):
     raise ValueError(f"groups of {group_layers} layers are not an engine layout")
   return live, tail
 
@@ -118,7 +122,7 @@ def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: in
   the schedule's own account of its footprint, which the plan (sljax.plan) adds the compiled calls' scratch to.
   sizes: sljax.sizes.ModelSizes; state_per_layer: one layer's master weights + optimizer state on this device;
   host_state: some group's state lives in host memory (else no state moves: updates donate it in place)."""
-  bounds = group_bounds(sizes.num_layers, cfg.live_layers, cfg.tail_layers)
+  bounds = cfg.bounds(sizes.num_layers)
   groups, last_layers, live = len(bounds), bounds[-1][1] - bounds[-1][0], cfg.live_layers
   weights_per_group = live * sizes.layer_weight_bytes  # gathered whole on every device while the group runs
   state_per_group = live * state_per_layer
@@ -272,7 +276,7 @@ class Engine:
     # Host groups' new state as it leaves the device (see _admit); bounded, for callers of `calls.apply` that never
     # admit (the step always admits before it appends, so nothing is dropped unwaited).
     self._written_back = collections.deque(maxlen=UPDATES_IN_FLIGHT)
-    self.groups = group_bounds(num_layers, cfg.live_layers, cfg.tail_layers)
+    self.groups = cfg.bounds(num_layers)
     self.state_on_device = state_on_device(len(self.groups), cfg.device_state_groups)
     self.compute_dtype = jnp.dtype(model.cfg.dtype)  # of the activations
     layer_shapes = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))

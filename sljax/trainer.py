@@ -1,6 +1,7 @@
 """The training loop around any `Step` (its `step(state, batch) -> (state, loss)`): resume, log, checkpoint, profile,
 skip non-finite steps, stop cleanly on SIGTERM / SIGINT. sljax.launch builds the step."""
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,7 +21,7 @@ from tqdm import tqdm
 from sljax import metrics
 from sljax.checkpoint import Checkpointer, check_disk
 from sljax.data import Source
-from sljax.memory import tree_bytes
+from sljax.memory import MemoryPeaks, tree_bytes
 
 PROFILE_STEPS = 3  # steps traced by --profile, starting after the first (compiling) step of the run
 
@@ -37,6 +38,9 @@ class RunConfig:
   profile: bool = False  # write a jax.profiler trace of PROFILE_STEPS steps into workdir/profile
   stop_after_bad_steps: int = 5  # non-finite steps in a row (each skipped) after which the run stops
   loss_log: str = ""  # append {"step", "loss"} JSON lines here at every sync; "": none
+  # sample the live arrays' bytes per memory kind while training (a thread: steps slow a little) and print the peaks,
+  # with the device allocator's, at the end (what benchmarks.plan_vs_peak compares with the plan)
+  memory_peaks: bool = False
 
   def __post_init__(self):
     for field in ("steps", "keep_checkpoints", "log_every", "stop_after_bad_steps"):
@@ -201,8 +205,9 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
       state = engine.settle(state)
       checkpointer.save(step, state, {**meta, "data_step": step, "skipped_steps": sorted(skipped)}, force)
 
+  peaks = MemoryPeaks() if run_cfg.memory_peaks else contextlib.nullcontext()
   try:
-    with StopSignal() as stop:
+    with StopSignal() as stop, peaks:
       while step < run_cfg.steps:
         if run_cfg.profile and step == profile_start:
           jax.profiler.start_trace(os.path.join(run_cfg.workdir, "profile"))
@@ -283,4 +288,6 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
     logger.close()
     if loss_log:
       loss_log.close()
+  if run_cfg.memory_peaks:
+    print(peaks.line(), flush=True)
   return history

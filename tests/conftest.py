@@ -1,6 +1,7 @@
 """Eight CPU devices for mesh tests, one compilation cache, quick compiles; must run before jax is imported."""
 
 import os
+import sys
 import tempfile
 
 # XLA:CPU's older fusion emitters compile a third faster than its MLIR ones (the test_engine fidelity tests: 91 ->
@@ -24,3 +25,12 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
   settings.load_profile("ci")
+
+# The shared test helpers are the module `helpers` (tests/helpers.py), whatever pytest's import mode.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+  # The fast tier, `-m "not slow"`, keeps at least one test of each module's core behaviour (tests/test_suite.py).
+  config.addinivalue_line("markers", "slow: end-to-end, CLI or subprocess tests that cost most of the suite's time; "
+                                     "-m 'not slow' skips them")

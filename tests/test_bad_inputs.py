@@ -6,28 +6,23 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers
-from absl import flags
 
-import train
 from sljax import metrics
 from sljax.checkpoint import newest_checkpoint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO, generate_cases, run_train
+
 TINY_TRAIN = ["--set=num_layers=2", "--set=hidden_size=32", "--set=intermediate_size=48", "--set=num_heads=2",
               "--set=num_kv_heads=1", "--seq_len=16", "--batch_size=2", "--max_tokens=2000", "--warmup_steps=1",
               "--mesh=data:1,fsdp:1"]  # one device: conftest's eight would only slow the compile
 
 
 def train_in_process(*args) -> dict[int, float]:
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(["train.py", *TINY_TRAIN, *args])
-  return train.run()
+  return run_train(*TINY_TRAIN, *args)
 
 
 @pytest.fixture(scope="module")
@@ -87,21 +82,15 @@ def test_train_refuses_with_one_line_before_the_workdir_exists(tmp_path, files, 
   assert not workdir.exists()
 
 
-# Runs generate.run() once per case in one process, since each CLI run would pay for its own jax start.
-GENERATE_CASES = """
-import json, sys
-from absl import flags
-import generate
-results = []
-for args in json.loads(sys.argv[1]):
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(["generate.py", *args])
-  try:
-    results.append({"records": generate.run()})
-  except SystemExit as exit:
-    results.append({"exit": str(exit)})
-print(json.dumps(results))
-"""
+@pytest.mark.parametrize("budget", ["--host_memory_gib=inf", "--host_memory_gib=nan", "--device_memory_gib=-1"])
+def test_train_refuses_a_budget_that_is_no_number_of_gib_with_one_line(tmp_path, budget):
+  workdir = tmp_path / "run"
+  with pytest.raises(SystemExit) as info:
+    train_in_process(f"--workdir={workdir}", budget)
+  flag, value = budget.split("=")
+  assert re.fullmatch(rf"sljax: {flag} must be a number of GiB >= 0 \(0: the default\), got {value}(\.0)?",
+                      str(info.value)), info.value
+  assert not workdir.exists()
 
 
 def _stray_errors(stderr: str) -> set[str]:
@@ -109,6 +98,7 @@ def _stray_errors(stderr: str) -> set[str]:
   return {line for line in stderr.splitlines() if re.match(r"[\w.]+(Error|Exception):", line)}
 
 
+@pytest.mark.slow
 def test_generate_reads_relative_checkpoint_paths_and_refuses_bad_inputs_with_one_line(tmp_path, files):
   train_in_process(f"--workdir={tmp_path / 'run'}", "--steps=2")
   step_dirs = {}
@@ -141,10 +131,13 @@ def test_generate_reads_relative_checkpoint_paths_and_refuses_bad_inputs_with_on
       "garbage tokenizer": (["--random_weights", f"--tokenizer={files['garbage.model']}", prompts],
                             f"sljax: tokenizer {files['garbage.model']} cannot be read (not a sentencepiece "),
       "negative budget": (["--random_weights", prompts, "--host_memory_gib=-1"],
-                          "sljax: --host_memory_gib must be >= 0 (0: the default), got -1.0"),
+                          "sljax: --host_memory_gib must be a number of GiB >= 0 (0: the default), got -1.0"),
+      "infinite budget": (["--random_weights", prompts, "--host_memory_gib=inf"],
+                          "sljax: --host_memory_gib must be a number of GiB >= 0 (0: the default), got inf"),
+      "nan budget": (["--random_weights", prompts, "--device_memory_gib=nan"],
+                     "sljax: --device_memory_gib must be a number of GiB >= 0 (0: the default), got nan"),
   }
-  result = subprocess.run([sys.executable, "-c", GENERATE_CASES, json.dumps([args for args, _ in cases.values()])],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+  result = generate_cases([args for args, _ in cases.values()])
   assert result.returncode == 0 and not _stray_errors(result.stderr), result.stderr  # each case ran to its end
   outcomes = json.loads(result.stdout.splitlines()[-1])
   for (case, (_, line)), outcome in zip(cases.items(), outcomes):

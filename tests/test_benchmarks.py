@@ -12,7 +12,7 @@ from benchmarks import results_tables
 from benchmarks.common import TRAINING_SMOKE
 from models.presets import get_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
 
 
 def smoke(module: str, tmp_path, *args: str) -> dict:
@@ -45,6 +45,7 @@ def by_case(result: dict) -> dict:
   return {r["case"]: r for r in result["results"]}
 
 
+@pytest.mark.slow
 def test_train_throughput_smoke_runs_every_case_and_merges_the_runs(train_throughput):
   assert has_provenance(train_throughput, "train_throughput") and train_throughput["device"] == "cpu"
   cases = by_case(train_throughput)
@@ -56,6 +57,7 @@ def test_train_throughput_smoke_runs_every_case_and_merges_the_runs(train_throug
   assert "--cases=big,big_clip,llama7b" in cases["big"]["command"] and "--merge" in cases["fits/engine"]["command"]
 
 
+@pytest.mark.slow
 def test_train_throughput_smoke_records_the_kernel_ceilings_beside_each_engine_step(train_throughput):
   for name in ("big", "big_clip", "llama7b", "fits/engine"):
     case = by_case(train_throughput)[name]
@@ -67,6 +69,7 @@ def test_train_throughput_smoke_records_the_kernel_ceilings_beside_each_engine_s
     assert kernels["sub_batches"] == case["engine"]["sub_batches"]
 
 
+@pytest.mark.slow
 def test_train_throughput_smoke_runs_big_clip_and_llama7b_as_train_py_would(train_throughput):
   cases = by_case(train_throughput)
   assert cases["big"]["engine"]["grad_clip_norm"] == 0
@@ -76,6 +79,7 @@ def test_train_throughput_smoke_runs_big_clip_and_llama7b_as_train_py_would(trai
     assert any(line.startswith(f"plan for {preset}, batch 1 x ") for line in cases[name]["launch_output"])
 
 
+@pytest.mark.slow
 def test_train_throughput_smoke_traces_the_big_step(train_throughput):
   big = by_case(train_throughput)["big"]
   # A CPU's trace has no GPU lanes: read, but no busy fraction.
@@ -84,6 +88,7 @@ def test_train_throughput_smoke_traces_the_big_step(train_throughput):
   assert "trace" not in by_case(train_throughput)["big_clip"]
 
 
+@pytest.mark.slow
 def test_train_throughput_smoke_compares_the_engine_with_the_faster_device_step(train_throughput):
   cases, ratios = by_case(train_throughput), train_throughput["ratios"]
   assert cases["fits/device_remat"]["remat"] and not cases["fits/device_no_remat"]["remat"]
@@ -95,12 +100,14 @@ def test_train_throughput_smoke_compares_the_engine_with_the_faster_device_step(
       cases["fits/engine"]["tokens_per_s"] / cases["fits/device_remat"]["tokens_per_s"])
 
 
+@pytest.mark.slow
 def test_train_throughput_names_an_unknown_case(tmp_path):
   done = subprocess.run([sys.executable, "-m", "benchmarks.train_throughput", "--smoke", "--cases=big,bigg"],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
   assert done.returncode != 0 and "--cases: unknown bigg; choose from big, big_clip, llama7b, fits" in done.stderr
 
 
+@pytest.mark.slow
 def test_generate_throughput_smoke_streams_and_counts_the_bytes(tmp_path):
   result = smoke("generate_throughput", tmp_path, "--models=llama70b", "--streamed_bits=4", "--weight_group_size=8")
   assert has_provenance(result, "generate_throughput")
@@ -110,6 +117,7 @@ def test_generate_throughput_smoke_streams_and_counts_the_bytes(tmp_path):
   assert "streamed int4 kernels" in run["weights"]
 
 
+@pytest.mark.slow
 def test_train_scaling_smoke_runs_fsdp_over_two_devices(tmp_path):
   result = smoke("train_scaling", tmp_path, "--cases=fsdp", "--steps=1")
   assert has_provenance(result, "train_scaling") and result["devices"] == 8
@@ -117,6 +125,7 @@ def test_train_scaling_smoke_runs_fsdp_over_two_devices(tmp_path):
   assert case["mesh"] == {"data": 1, "fsdp": 2} and case["bytes_per_step"]["between_devices"] > 0
 
 
+@pytest.mark.slow
 def test_trace_overlap_smoke_finds_the_copies_hidden_by_compute_and_the_idle_gaps(tmp_path):
   result = smoke("trace_overlap", tmp_path)
   assert result["copy_hidden_fraction"] == pytest.approx(60 / 80) and result["span_s"] == pytest.approx(400e-6)
@@ -137,6 +146,7 @@ def test_trace_overlap_smoke_finds_the_copies_hidden_by_compute_and_the_idle_gap
        "profiler_flush_ms": 0.0}]
 
 
+@pytest.mark.slow
 def test_kernel_ceiling_smoke_times_the_three_kernels(tmp_path):
   result = smoke("kernel_ceiling", tmp_path)
   assert has_provenance(result, "kernel_ceiling") and result["model"] == "llama13b"
@@ -157,6 +167,7 @@ def test_kernel_ceiling_smoke_times_the_three_kernels(tmp_path):
   assert result["ceiling_mfu_residuals_kept"] > 0
 
 
+@pytest.mark.slow
 def test_checkpoint_scale_smoke_resumes_with_the_uninterrupted_losses(tmp_path):
   result = smoke("checkpoint_scale", tmp_path, f"--workdir={tmp_path / 'checkpoints'}", "--tail_layers=2")
   assert result["losses_equal"] and result["first_step_after_restore_equal"] and result["restored_step"] == 3
@@ -164,6 +175,7 @@ def test_checkpoint_scale_smoke_resumes_with_the_uninterrupted_losses(tmp_path):
   assert set(result["peak_host_extra_gib"]) == {"save", "restore"} and result["save_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_train_py_run_smoke_reads_the_plan_windows_and_every_loss(tmp_path):
   result = smoke("train_py_run", tmp_path)
   assert result["returncode"] == 0 and result["plan"].startswith("plan for llama-tiny")
@@ -173,6 +185,7 @@ def test_train_py_run_smoke_reads_the_plan_windows_and_every_loss(tmp_path):
   assert (tmp_path / "result.log").read_text().count("loss ") > 0
 
 
+@pytest.mark.slow
 def test_int4_matmul_smoke_times_every_variant_and_they_agree(tmp_path):
   result = smoke("int4_matmul", tmp_path)
   assert has_provenance(result, "int4_matmul")
@@ -197,30 +210,35 @@ def test_train_py_run_reads_a_lora_plan():
   assert result["plan"] == "\n".join(plan) and result["goals"]["plan_compute_bound"] is True
 
 
+@pytest.mark.slow
 def test_deepspeed_baseline_smoke_on_torch_fsdp(tmp_path):
   """The baseline's PyTorch FSDP2 backend needs only the CPU torch of requirements.txt."""
   result = smoke("baselines.deepspeed_zero3", tmp_path, "--backend=fsdp_cpu_offload")
   assert result["status"] == "ok" and len(result["step_s"]) == 2 and result["versions"]["torch"]
 
 
+@pytest.mark.slow
 def test_deepspeed_baseline_smoke_on_deepspeed(tmp_path):
   pytest.importorskip("deepspeed", reason="DeepSpeed is installed only on the GPU machine (install_deepspeed.sh)")
   result = smoke("baselines.deepspeed_zero3", tmp_path)
   assert result["status"] == "ok" and result["backend"] == "deepspeed"
 
 
+@pytest.mark.slow
 def test_vs_deepspeed_smoke_reports_both_systems_and_their_ratio(tmp_path):
   pytest.importorskip("deepspeed", reason="DeepSpeed is installed only on the GPU machine (install_deepspeed.sh)")
   result = smoke("vs_deepspeed", tmp_path, "--models=fits")
   assert result["runs"]["fits"]["ratio_tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_hf_accelerate_baseline_smoke(tmp_path):
   pytest.importorskip("accelerate", reason="accelerate is not in requirements.txt: the GPU machine's image has it")
   result = smoke("baselines.hf_accelerate_generate", tmp_path)
   assert result["result"]["generation_tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_lora_benchmark_smoke_streams_part_of_the_base_and_resumes_exactly(tmp_path):
   (result,) = smoke("lora_throughput", tmp_path, f"--workdir={tmp_path / 'checkpoint'}")["results"]
   assert 0 < result["plan"]["resident_layers"] < 8
@@ -236,9 +254,16 @@ def test_the_peer_comparison_is_the_run_files_own():
   assert committed == json.loads(json.dumps(generate_vs_peers.comparison()))
 
 
-def test_the_readmes_result_tables_are_the_result_files_own():
-  """Every marked table in the README is what benchmarks.results_tables makes from benchmarks/results/ now."""
-  with open(os.path.join(REPO, "README.md")) as f:
+@pytest.mark.parametrize("name", sorted(results_tables.FILES))
+def test_the_marked_result_tables_are_the_result_files_own(name):
+  """Every file that holds marked tables (README.md, docs/results.md) holds exactly its own, each what
+  benchmarks.results_tables makes from benchmarks/results/ now."""
+  with open(os.path.join(REPO, name)) as f:
     text = f.read()
-  assert set(results_tables.readme_tables(text)) == set(results_tables.TABLES)
+  assert sorted(results_tables.marked_tables(text)) == sorted(results_tables.FILES[name])
   assert results_tables.with_tables(text) == text, "run python -m benchmarks.results_tables --write"
+
+
+def test_every_result_table_has_one_home():
+  homes = [table for tables in results_tables.FILES.values() for table in tables]
+  assert sorted(homes) == sorted(results_tables.TABLES)

@@ -143,6 +143,7 @@ def offload_placed_state(leaves: int, leaf_mib: int) -> dict:
           for kind, sharding in kinds.items()}
 
 
+@pytest.mark.slow
 def test_save_and_restore_stay_within_the_staging_budget_on_a_state_many_times_larger(tmp_path):
   budget = 32 * 2**20
   # A process's first save starts orbax's and tensorstore's thread pools and caches (~100 MiB, whatever the state's

@@ -13,53 +13,9 @@ from hypothesis import strategies as st
 
 from models.presets import build, get_config
 from sljax.memory import HOST
-from sljax.schedule import (Engine, EngineConfig, dequantize_rows, group_bounds, layout_of, quantize_rows,
-                            state_on_device)
+from sljax.schedule import Engine, EngineConfig, dequantize_rows, layout_of, quantize_rows, state_on_device
 
-
-def _flat(tree):
-  return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
-
-
-def rel_error(got, want):
-  got, want = _flat(got), _flat(want)
-  return np.linalg.norm(got - want) / np.linalg.norm(want)
-
-
-def make_batch(rng, rows, seq):
-  tokens = rng.integers(0, 256, (rows, seq + 1)).astype(np.int32)
-  weights = (rng.random((rows, seq)) > 0.25).astype(np.float32)  # some tokens masked: the mean is over the rest
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
-
-
-@functools.cache
-def _value_and_grad(model):
-  return jax.jit(jax.value_and_grad(model.loss))
-
-
-@functools.cache
-def _init(model):
-  return jax.jit(model.init)
-
-
-def init_params(model, seed: int):
-  """model.init, jitted with an rbg key: XLA:CPU compiles it in a third of threefry's time (or of init op by op)."""
-  return _init(model)(jax.random.key(seed, impl="rbg"))
-
-
-def reference_steps(model, optimizer, clip, params, batches):
-  """Plain full-batch training: jax.grad over the whole model, then optax. Only the gradient is jitted (once per
-  model): the optimizer runs op by op, whose kernels any optimizer and clipping norm share, so examples that draw
-  another compile nothing new for it."""
-  tx = optax.chain(optax.clip_by_global_norm(clip), optimizer) if clip else optimizer
-  opt_state = tx.init(params)
-  losses = []
-  for batch in batches:
-    loss, grads = _value_and_grad(model)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    losses.append(float(loss))
-  return losses, params
+from helpers import init_params, make_batch, reference_steps, rel_error
 
 
 # The shapes the fidelity tests draw from: a model shape with a sub-batch count and a group size, few of them, so
@@ -84,7 +40,7 @@ def engine_cases(draw):
   num_layers = 4
   shape, sub_batches, live_layers, tail_layers = draw(st.sampled_from(SCHEDULE_SHAPES))
   overrides = dict(MODEL_SHAPES[shape], num_layers=num_layers, remat=draw(st.booleans()))
-  groups = len(group_bounds(num_layers, live_layers, tail_layers))
+  groups = len(EngineConfig(live_layers=live_layers, tail_layers=tail_layers).bounds(num_layers))
   engine = EngineConfig(
       sub_batches=sub_batches, live_layers=live_layers, tail_layers=tail_layers,
       grad_clip_norm=draw(st.sampled_from([0.0, 0.05, 100.0])),  # off, clipping, norm below the limit
@@ -137,6 +93,7 @@ def check_against_reference(overrides, engine_cfg, optimizer_name, seed, dtype, 
   assert rel_error(got_params, want_params) <= tolerance
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(engine_cases())
 def test_engine_step_equals_full_batch_step_fp32(case):
@@ -144,6 +101,7 @@ def test_engine_step_equals_full_batch_step_fp32(case):
   check_against_reference(overrides, engine_cfg, optimizer_name, seed, "float32", 1e-5, steps=2)
 
 
+@pytest.mark.slow
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(engine_cases())
 def test_engine_step_equals_full_batch_step_bf16(case):
@@ -151,14 +109,14 @@ def test_engine_step_equals_full_batch_step_bf16(case):
   check_against_reference(overrides, engine_cfg, optimizer_name, seed, "bfloat16", 1e-2, steps=1)
 
 
-@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "opt"])
 def test_one_sub_batch_one_group_is_the_models_own_bf16_step_bit_for_bit(family):
   """bf16 compute, fp32 params: the engine runs each leaf as the model does (OPT's LayerNorm applies its fp32 scale
   and bias unrounded), so with nothing split its step is the model's own jax.value_and_grad step, bit for bit; split
   into sub-batches and groups, within 1e-2. SGD with learning rate 1: the params are params - gradient."""
   model = build(get_config("llama-tiny", dict(family=family, num_layers=2, hidden_size=32, intermediate_size=48,
                                              num_heads=2, num_kv_heads=2, dtype="bfloat16")))
-  params, batch = model.init(jax.random.key(0)), make_batch(np.random.default_rng(1), 4, 8)
+  params, batch = init_params(model, 0), make_batch(np.random.default_rng(1), 4, 8)
   (want_loss,), want = reference_steps(model, optax.sgd(1.0), 0.0, params, [batch])
   for split, tolerance in ((dict(sub_batches=1, live_layers=2), 0.0), (dict(sub_batches=2, live_layers=1), 1e-2)):
     engine = Engine(model, optax.sgd(1.0), EngineConfig(**split))
@@ -218,7 +176,7 @@ def test_host_state_groups_are_spread_among_the_device_groups(groups):
                                                           st.integers(0, layers))))
 def test_groups_cover_the_layers_in_order_with_the_tail_last(case):
   layers, live, tail = case
-  bounds = group_bounds(layers, live, tail)
+  bounds = EngineConfig(live_layers=live, tail_layers=tail).bounds(layers)
   assert [a for a, _ in bounds] == [0] + [b for _, b in bounds[:-1]] and bounds[-1][1] == layers
   assert all(0 < b - a <= live for a, b in bounds[:-1 if tail else None])
   assert bounds[-1][1] - bounds[-1][0] == (tail or layers - live * (len(bounds) - 1))
@@ -227,9 +185,11 @@ def test_groups_cover_the_layers_in_order_with_the_tail_last(case):
 @given(st.integers(1, 12).flatmap(lambda layers: st.tuples(st.just(layers), st.integers(1, layers + 1),
                                                           st.integers(0, layers))))
 def test_a_layout_is_read_back_from_its_groups_sizes(case):
-  """How a resume finds a checkpoint's layout (sljax.launch.resumed_engine_state): from its groups' layer counts."""
-  bounds = group_bounds(*case)
-  assert group_bounds(case[0], *layout_of([b - a for a, b in bounds])) == bounds
+  """How a resume finds a checkpoint's layout (sljax.resume.resumed_engine_state): from its groups' layer counts."""
+  layers, live, tail = case
+  bounds = EngineConfig(live_layers=live, tail_layers=tail).bounds(layers)
+  live, tail = layout_of([b - a for a, b in bounds])
+  assert EngineConfig(live_layers=live, tail_layers=tail).bounds(layers) == bounds
 
 
 def test_group_sizes_no_layout_makes_are_refused():
@@ -293,6 +253,7 @@ def test_int8_rows_error_bound():
   assert np.all(error <= bound * (1 + 1e-5) + 1e-30)
 
 
+@pytest.mark.slow
 def test_int8_exchange_step_stays_close_to_exact():
   """Only the backward pass reads the stash: the loss is exact, the gradients carry the rounding of the inputs."""
   model = build(get_config("llama-tiny", dict(num_layers=3, hidden_size=32, intermediate_size=48, num_heads=2,

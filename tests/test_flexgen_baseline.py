@@ -3,7 +3,6 @@ machine through install_flexgen.sh) its smoke run of FlexGen's generation on the
 
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -12,7 +11,8 @@ import pytest
 from benchmarks.baselines import flexgen_generate as flexgen
 from sljax.machines import GIB
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
+
 OPT_66B = flexgen.model_config("opt-66b", smoke=False)
 
 

@@ -3,7 +3,6 @@
 import collections
 import functools
 import json
-import os
 import subprocess
 import sys
 
@@ -26,7 +25,8 @@ from sljax.generate_plan import layout_footprint, plan
 from sljax.machines import GIB
 from sljax.memory import HOST, tree_bytes
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
+
 TINY = {
     "llama": dict(family="llama", num_layers=4, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
                   max_positions=64, dtype="float32", attention="xla"),
@@ -58,6 +58,7 @@ def offloads(draw):
                        resident_layers=draw(st.integers(0, num_layers)), kv_on_host=draw(st.booleans()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "opt"])
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(offload=offloads())
@@ -154,6 +155,7 @@ def _hf_model(family: str, seed: int):
   return model.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_prompt_logits_match_transformers(tmp_path, family):
   torch_model = _hf_model(family, seed=2)
@@ -267,21 +269,27 @@ def test_params_restore_from_both_training_states(tmp_path):
       np.testing.assert_array_equal(a, np.asarray(b))
 
 
-TRAINING = ("sljax.plan", "sljax.schedule", "sljax.trainer", "sljax.optim")
+TRAINING = ("sljax.plan", "sljax.schedule", "sljax.trainer", "sljax.optim", "sljax.launch", "sljax.request",
+            "sljax.resume", "sljax.steps", "sljax.lora.engine", "sljax.lora.plan", "sljax.cli.train")
+# generate.py loaded as `python generate.py` loads it, short of running main; and the LoRA export.
+INFERENCE = ("import runpy, sys, sljax.lora_export; runpy.run_path('generate.py', run_name='not_main'); "
+             "print(' '.join(sys.modules))")
 
 
 def test_inference_imports_nothing_of_training():
-  """The generator and its planner stand on their own: a fresh process that imports both loads no training module."""
-  loaded = subprocess.run(
-      [sys.executable, "-c", "import sys, sljax.generate, sljax.generate_plan; print(' '.join(sys.modules))"],
-      cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-  assert "sljax.generate_plan" in loaded and not set(TRAINING) & set(loaded)
+  """generate.py (the generator, its planner, the readers of checkpoints and of LoRA adapters, the merge) and
+  sljax.lora_export stand on their own: in a fresh process they load no training module."""
+  loaded = set(subprocess.run([sys.executable, "-c", INFERENCE], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.split())
+  assert {"sljax.generate_launch", "sljax.generate_plan", "sljax.lora.checkpoint", "sljax.lora_export"} <= loaded
+  assert not set(TRAINING) & loaded, sorted(set(TRAINING) & loaded)
 
 
 def _cli(*args):
   return subprocess.run([sys.executable, "generate.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_generates_one_json_line_per_prompt_and_plans(tmp_path):
   prompts = tmp_path / "prompts.txt"
   prompts.write_text("def fib(n):\n\nHello, world\nimport os\n")  # the blank line is skipped
@@ -300,6 +308,7 @@ def test_cli_generates_one_json_line_per_prompt_and_plans(tmp_path):
   assert "streamed from pinned host" in result.stdout and "per generated token" in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_reads_hf_weights_and_matches_the_on_device_loop(tmp_path):
   torch.manual_seed(4)
   config = transformers.LlamaConfig(  # the CLI's default tokenizer is bytes: 256 tokens
@@ -327,6 +336,7 @@ CLI_ERRORS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("message", CLI_ERRORS)
 def test_cli_bad_requests_exit_with_one_line(message):
   result = _cli(*CLI_ERRORS[message])
@@ -502,3 +512,20 @@ def test_live_bytes_after_every_dispatch_stay_within_the_plan(monkeypatch, offlo
   unseen = chosen.footprint.device[core.SCRATCH]
   assert 0 < peaks["device"] <= chosen.device_bytes - unseen, (peaks, chosen.footprint)
   assert peaks[HOST] <= chosen.host_bytes, (peaks, chosen.footprint)
+
+
+def test_a_plan_for_a_gpu_leaves_the_cores_margin_and_takes_its_rates():
+  """--target: the target's budget and rates (sljax.footprint), the one GPU margin unplanned; a CPU plan none."""
+  from sljax import footprint as core
+  from sljax.machines import MACHINES, target_budget
+  cfg = get_config("llama70b", dict(dtype="bfloat16"))
+  h200, a100 = MACHINES["h200"], MACHINES["a100-80gb"]
+  here = plan(cfg, 512, 32, 120 * GIB, 100 * GIB, batch=8)
+  there = plan(cfg, 512, 32, *gen_plan.memory_budgets(h200), batch=8, target=h200)
+  slow = plan(cfg, 512, 32, *gen_plan.memory_budgets(h200), batch=8, target=a100, resident_layers=40)
+  assert here.footprint.device[core.MARGIN] == 0
+  assert there.footprint.device[core.MARGIN] == core.GPU_MARGIN_BYTES
+  assert there.budget.device_bytes == target_budget(h200).device_bytes
+  assert there.device_bytes <= there.budget.device_bytes
+  same = plan(cfg, 512, 32, *gen_plan.memory_budgets(h200), batch=8, target=h200, resident_layers=40)
+  assert slow.decode.seconds > same.decode.seconds  # the A100 copies at half the H200's rate

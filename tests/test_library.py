@@ -12,12 +12,10 @@ from examples.own_model import GPT, GPTConfig, random_batch
 from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig, generate_on_device
 from sljax.generate_plan import generation_sizes, plan
 
+from helpers import flat
+
 HUGE = sljax.Budget(device_bytes=1 << 50, host_bytes=1 << 50)
 MODEL = GPT(GPTConfig(vocab_size=64, hidden_size=32, num_heads=2, num_layers=3, max_positions=32))
-
-
-def _flat(tree):
-  return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
 
 
 # Jitted once for both optimizers: op by op, the model's gradient compiles a kernel per operation and shape.
@@ -61,7 +59,7 @@ def test_own_model_trains_as_plain_jax_grad_on_the_full_batch(setup):
   want_losses, want = full_batch_steps(optax.sgd(1.0), params, batches[:1])
   got_losses, got = engine_steps(optax.sgd(1.0), params, batches[:1], **split)
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
-  grads = lambda new: _flat(params) - _flat(new)
+  grads = lambda new: flat(params) - flat(new)
   assert np.linalg.norm(grads(got) - grads(want)) <= 1e-5 * np.linalg.norm(grads(want))
   # AdamW over 3 steps, elementwise: an eps of 1e-3 keeps the update Lipschitz in the gradient (|d update / d g| <=
   # lr / eps), so rounding-sized gradient differences stay rounding-sized in the params.
@@ -69,7 +67,7 @@ def test_own_model_trains_as_plain_jax_grad_on_the_full_batch(setup):
   want_losses, want = full_batch_steps(adamw, params, batches)
   got_losses, got = engine_steps(adamw, params, batches, **split)
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
-  np.testing.assert_allclose(_flat(got), _flat(want), rtol=0, atol=1e-6)
+  np.testing.assert_allclose(flat(got), flat(want), rtol=0, atol=1e-6)
 
 
 def test_own_model_plans_from_its_shapes():

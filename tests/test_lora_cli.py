@@ -5,8 +5,6 @@ only them (and where the base is), resumes bit for bit and refuses to resume on 
 import json
 import os
 import shutil
-import subprocess
-import sys
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -14,27 +12,20 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from absl import flags
 
-import train
 from models.hf import HFWeights, load_hf
 from models.presets import build
 from sljax.checkpoint import newest_checkpoint, read_manifest
 from sljax.generate import SamplingConfig, generate_on_device
-from sljax.lora import LoraModel, join_adapters, merge, open_checkpoint, read_adapters
+from sljax.lora.checkpoint import open_checkpoint, read_adapters
+from sljax.lora.model import LoraModel, join_adapters, merge
 from sljax.lora_export import ExportConfig, export
-from tests.test_bad_inputs import GENERATE_CASES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import generate_cases, run_train
+
 LORA = ["--set=dtype=float32", "--seq_len=16", "--batch_size=4", "--max_tokens=20000", "--warmup_steps=1",
         "--decay_steps=4", "--log_every=1", "--checkpoint_every=1", "--learning_rate=1e-2", "--lora_rank=4",
         "--lora_targets=q_proj,v_proj", "--lora_targets=down_proj"]  # a comma list and a repeated flag
-
-
-def train_in_process(*args) -> dict[int, float]:
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(["train.py", *args])
-  return train.run()
 
 
 class Trained(NamedTuple):
@@ -55,7 +46,7 @@ def trained(tmp_path_factory) -> Trained:
     for p in model.parameters():
       p.add_(0.1 * torch.randn_like(p))
   model.save_pretrained(root / "hf")
-  history = train_in_process(f"--hf_dir={root / 'hf'}", f"--workdir={root / 'run'}", *LORA, "--steps=2")
+  history = run_train(f"--hf_dir={root / 'hf'}", f"--workdir={root / 'run'}", *LORA, "--steps=2")
   return Trained(str(root / "hf"), str(root / "run"), history)
 
 
@@ -64,11 +55,12 @@ def files_under(directory) -> dict[str, int]:
           for d, _, names in os.walk(directory) for name in names}
 
 
+@pytest.mark.slow
 def test_lora_run_trains_only_the_adapters_and_resumes_bit_for_bit(tmp_path, trained):
-  uninterrupted = train_in_process(f"--hf_dir={trained.hf_dir}", f"--workdir={tmp_path / 'one'}", *LORA, "--steps=4")
+  uninterrupted = run_train(f"--hf_dir={trained.hf_dir}", f"--workdir={tmp_path / 'one'}", *LORA, "--steps=4")
   assert uninterrupted[4] < uninterrupted[1] - 0.05, uninterrupted
   shutil.copytree(trained.workdir, tmp_path / "two")
-  resumed = train_in_process(f"--hf_dir={trained.hf_dir}", f"--workdir={tmp_path / 'two'}", *LORA, "--steps=4")
+  resumed = run_train(f"--hf_dir={trained.hf_dir}", f"--workdir={tmp_path / 'two'}", *LORA, "--steps=4")
   assert sorted(resumed) == [3, 4]
   assert [trained.history[n] for n in (1, 2)] + [resumed[n] for n in (3, 4)] == [uninterrupted[n] for n in range(1, 5)]
   one, two = (open_checkpoint(str(tmp_path / name)) for name in ("one", "two"))
@@ -84,6 +76,7 @@ def test_lora_run_trains_only_the_adapters_and_resumes_bit_for_bit(tmp_path, tra
                               "base": {"hf_dir": os.path.abspath(trained.hf_dir)}}
 
 
+@pytest.mark.slow
 def test_a_resume_on_another_base_or_lora_config_is_refused_before_anything_is_written(tmp_path, trained):
   shutil.copytree(trained.hf_dir, tmp_path / "copy")
   step_dir, _ = newest_checkpoint(trained.workdir)
@@ -104,7 +97,7 @@ def test_a_resume_on_another_base_or_lora_config_is_refused_before_anything_is_w
   }
   for args, line in refusals.items():
     with pytest.raises(SystemExit) as info:
-      train_in_process(f"--workdir={trained.workdir}", *args, "--steps=3")
+      run_train(f"--workdir={trained.workdir}", *args, "--steps=3")
     assert str(info.value).startswith(line) and "\n" not in str(info.value), info.value
   assert files_under(trained.workdir) == before
 
@@ -122,13 +115,13 @@ BAD_FLAGS = {  # flags -> the one line's message
 @pytest.mark.parametrize("message", BAD_FLAGS)
 def test_bad_lora_flags_exit_with_one_line_before_the_workdir_exists(tmp_path, message):
   with pytest.raises(SystemExit) as info:
-    train_in_process(f"--workdir={tmp_path / 'run'}", "--seq_len=16", "--batch_size=2", "--max_tokens=2000",
+    run_train(f"--workdir={tmp_path / 'run'}", "--seq_len=16", "--batch_size=2", "--max_tokens=2000",
                      *BAD_FLAGS[message])
   assert str(info.value).startswith(f"sljax: {message}") and "\n" not in str(info.value), info.value
   assert not (tmp_path / "run").exists()
 
 
-# generate.py's flags clash with train.py's in one process: its cases run in one other process (GENERATE_CASES).
+# generate.py's flags clash with train.py's in one process: its cases run in one other process (generate_cases).
 
 
 def merged_params(trained: Trained):
@@ -139,6 +132,7 @@ def merged_params(trained: Trained):
   return cfg, {"outer": base["outer"], "layers": layers}, base
 
 
+@pytest.mark.slow
 def test_generate_with_the_lora_checkpoint_is_generating_from_the_merged_params(tmp_path, trained):
   prompts = ["Hi there", "abc", "The end"]
   (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
@@ -150,8 +144,7 @@ def test_generate_with_the_lora_checkpoint_is_generating_from_the_merged_params(
            [f"--lora_checkpoint={trained.workdir}", f"--hf_dir={tmp_path / 'moved'}", *args],
            [f"--lora_checkpoint={trained.workdir}", "--random_weights", *args],
            [f"--lora_checkpoint={tmp_path / 'empty'}", *args]]
-  result = subprocess.run([sys.executable, "-c", GENERATE_CASES, json.dumps(cases)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+  result = generate_cases(cases)
   assert result.returncode == 0, result.stderr
   named, moved, two_sources, empty = json.loads(result.stdout.splitlines()[-1])
 
@@ -164,6 +157,7 @@ def test_generate_with_the_lora_checkpoint_is_generating_from_the_merged_params(
   assert empty["exit"] == f"sljax: {tmp_path / 'empty'} holds no checkpoint"
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_with_the_lora_models_logits(tmp_path, trained):
   # One layer per shard (the model is tiny): written a shard at a time, read back through the index.
   cfg = export(ExportConfig(checkpoint=trained.workdir, out=str(tmp_path / "merged"), shard_gib=1e-9))

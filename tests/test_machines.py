@@ -1,11 +1,13 @@
 """Machine facts: the table, this machine's RAM, XLA's memory settings and the default budgets built from them."""
 
+import math
+import os
 import types
 
 import pytest
 
 from sljax import machines
-from sljax.machines import GIB, H200, MACHINES, PINNED_FRACTION, PINNED_POOL_ENV
+from sljax.machines import GIB, H200, MACHINES, MEMORY_FRACTION_ENV, PINNED_FRACTION, PINNED_POOL_ENV
 
 
 def gpu(bytes_limit: int):
@@ -39,6 +41,39 @@ def test_pinned_pools_are_capped_per_gpu_unless_the_user_set_them(monkeypatch):
   assert machines.pinned_pool_bytes() == 50 * GIB
   machines.cap_pinned_pools(10 * GIB)  # the first value stands, as a user's would
   assert machines.pinned_pool_bytes() == 50 * GIB
+
+
+@pytest.fixture
+def xla_unset(monkeypatch):
+  """XLA's memory variables unset, and unset again after the test, whatever configure_process sets."""
+  for name in (MEMORY_FRACTION_ENV, PINNED_POOL_ENV):
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("visible,pool_gib", [("0", 110), ("0,1", 55), ("3,1,0,2", 27)])
+def test_configure_process_caps_each_gpus_pool_at_its_share_of_the_budget_and_headroom(xla_unset, monkeypatch,
+                                                                                        visible, pool_gib):
+  # XLA gives every GPU its own pinned pool: the cap is per GPU, so a process's budget is split among its GPUs.
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+  machines.configure_process(host_memory_gib=100)
+  assert os.environ[PINNED_POOL_ENV] == str(pool_gib)
+  assert os.environ[MEMORY_FRACTION_ENV] == str(machines.XLA_MEMORY_FRACTION)
+
+
+def test_configure_process_defaults_to_the_host_budget_and_keeps_what_the_user_set(xla_unset, monkeypatch):
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+  monkeypatch.setenv(MEMORY_FRACTION_ENV, "0.5")
+  machines.configure_process()
+  assert machines.pinned_pool_bytes() == int(PINNED_FRACTION * machines.ram_bytes() / GIB) * GIB
+  assert os.environ[MEMORY_FRACTION_ENV] == "0.5"
+
+
+@pytest.mark.parametrize("gib", [math.inf, math.nan, -1.0])
+def test_configure_process_refuses_a_budget_that_is_no_number_of_gib_before_setting_anything(xla_unset, gib):
+  with pytest.raises(ValueError, match=rf"^--host_memory_gib must be a number of GiB >= 0 \(0: .*\), got {gib}$"):
+    machines.configure_process(gib)
+  assert MEMORY_FRACTION_ENV not in os.environ and PINNED_POOL_ENV not in os.environ
 
 
 def test_unmeasured_gpus_keep_the_h200s_proportions():

@@ -23,14 +23,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from helpers import REPO, init_params, make_batch, reference_steps, rel_error
+
+sys.path.insert(0, REPO)  # run as the worker script, only tests/ is on the path
 from models.presets import build, get_config  # noqa: E402
 from sljax.checkpoint import Checkpointer  # noqa: E402
 from sljax.memory import HOST, Placement, tree_bytes  # noqa: E402
 from sljax.mesh import initialize_distributed, make_mesh, parse_mesh, state_spec  # noqa: E402
 from sljax.schedule import Engine, EngineConfig  # noqa: E402
-from test_engine import init_params, reference_steps  # noqa: E402
 
 P = jax.sharding.PartitionSpec
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
@@ -41,12 +41,6 @@ def tiny_model(dtype="float32", hidden=16, family="llama"):
                                              num_heads=2, num_kv_heads=2, dtype=dtype)))
 
 
-def make_batch(rng, rows, seq=8):
-  tokens = rng.integers(0, 256, (rows, seq + 1)).astype(np.int32)
-  weights = (rng.random((rows, seq)) > 0.25).astype(np.float32)
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
-
-
 def placement(data, fsdp):
   return Placement(make_mesh({"data": data, "fsdp": fsdp}))
 
@@ -55,11 +49,6 @@ def with_devices(count: int) -> str:
   """This process's XLA_FLAGS (conftest.py's compile flags) for a subprocess with `count` host devices."""
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
   return f"--xla_force_host_platform_device_count={count} {flags}".strip()
-
-
-def rel_error(got, want):
-  flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
-  return np.linalg.norm(flat(got) - flat(want)) / np.linalg.norm(flat(want))
 
 
 def run_engine(model, optimizer, cfg, place, params, batches):
@@ -96,6 +85,7 @@ def mesh_cases(draw):
   return mesh, cfg, (family, hidden), draw(st.sampled_from(["sgd", "adamw"])), draw(st.integers(0, 2**16))
 
 
+@pytest.mark.slow
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mesh_cases())
 def test_sharded_step_equals_single_device_step_and_full_batch_step(case):
@@ -146,6 +136,7 @@ def test_state_is_sharded_over_fsdp_in_pinned_host_memory():
 
 # ---- bytes -------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_each_group_is_gathered_once_and_reduced_once_per_step_with_the_documented_bytes():
   """data 2 x fsdp 4, bf16 compute, everything on the host, 2 sub-batches: the sub-batch calls communicate nothing;
   between devices: one all-gather per group and pass, one reduce per group, one all-gather and one reduce of the
@@ -280,6 +271,7 @@ def _losses(engine, batches):
   return losses
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
   """Two processes of 2 CPU devices each (mesh data 2 x fsdp 2: fsdp within a process, data across) run two steps;
   their losses equal one process's on a 2 x 2 mesh."""
@@ -297,6 +289,7 @@ def test_two_processes_train_like_one(tmp_path):
     np.testing.assert_allclose(result["losses"], want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_host_stops_every_host_after_the_same_step(tmp_path):
   """SIGTERM reaches only the second of two train.py processes: both finish the same step, save it and exit 0
   (without agreeing, the first would wait forever in the next step's collectives)."""

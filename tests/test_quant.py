@@ -13,7 +13,8 @@ from models.presets import build, get_config
 from sljax.memory import tree_bytes
 from sljax.quant import CODES, QuantConfig, dequantize_kernel, dequantize_layers, group_rows, quantize_kernel, \
     quantize_layers
-from test_train import REPO
+
+from helpers import REPO
 
 
 def weights(shape, seed=0):
@@ -80,6 +81,7 @@ def test_bad_configs_are_refused():
     QuantConfig(group_size=0)
 
 
+@pytest.mark.slow
 def test_quality_smoke_on_a_briefly_trained_model(tmp_path):
   out = tmp_path / "quality.json"
   subprocess.run([sys.executable, "-m", "benchmarks.quant_quality", "--smoke", f"--out={out}"], cwd=REPO, check=True,

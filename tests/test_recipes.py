@@ -5,9 +5,10 @@ import os
 import pytest
 from absl import flags
 
-import train
 from models.presets import PRESETS
 from sljax import launch
+from sljax.cli import train
+from sljax.request import LaunchConfig, Request
 from sljax.optim import RECIPES, recipe_for
 from sljax.trainer import RunConfig
 
@@ -71,14 +72,14 @@ def test_a_short_run_shrinks_warmup_and_decay_with_one_notice(capsys):
 def test_a_library_request_gets_the_decisions_and_lines_of_its_flags(capsys):
   from_flags = parse("--model=llama13b", "--steps=5", "--b2=0.99", "--seq_len=1024")
   printed = capsys.readouterr().out
-  request = launch.Request(launch.LaunchConfig(model="llama13b"), RunConfig(steps=5), data={"seq_len": 1024},
+  request = Request(LaunchConfig(model="llama13b"), RunConfig(steps=5), data={"seq_len": 1024},
                            optim={"b2": 0.99})
   assert launch.resolve(request) == from_flags and capsys.readouterr().out == printed
   assert "warming up over 2 (half the run)" in printed
   with pytest.raises(ValueError, match=r"^give --model or --hf_dir \(whose config.json names the model\), not both$"):
-    launch.LaunchConfig(model="llama7b", hf_dir="Llama-2-7b-hf")
+    LaunchConfig(model="llama7b", hf_dir="Llama-2-7b-hf")
   with pytest.raises(ValueError, match="^--engine must be one of 'auto', 'device', 'offload', got 'gpu'$"):
-    launch.LaunchConfig(engine="gpu")
+    LaunchConfig(engine="gpu")
 
 
 def test_a_model_without_a_preset_takes_its_familys_nearest_recipe():
@@ -96,8 +97,8 @@ BAD_NUMBERS = {
     "weight_decay must be finite and >= 0, got inf": ["--weight_decay=inf"],
     "grad_clip_norm must be finite and >= 0 (0: off), got nan": ["--grad_clip_norm=nan"],
     "min_lr_ratio must lie in [0, 1], got nan": ["--min_lr_ratio=nan"],
-    "--device_memory_gib must be a number of GiB > 0 (0: the default), got -1.0": ["--device_memory_gib=-1"],
-    "--host_memory_gib must be a number of GiB > 0 (0: the default), got nan": ["--host_memory_gib=nan"],
+    "--device_memory_gib must be a number of GiB >= 0 (0: the default), got -1.0": ["--device_memory_gib=-1"],
+    "--host_memory_gib must be a number of GiB >= 0 (0: the default), got nan": ["--host_memory_gib=nan"],
     "moments_dtype must be a float dtype (float32, bfloat16), got 'foo'": ["--moments_dtype=foo"],
     "--sub_batches shape the offload engine's step, but the auto engine chose the on-device step": ["--sub_batches=2"],
     "--live_layers shape the offload engine's step, but --engine=device runs the on-device step": [

@@ -18,10 +18,12 @@ import numpy as np
 import optax
 import pytest
 
+import sljax.steps
 from sljax import launch, trainer
 from sljax.checkpoint import StateHandler, read_arrays
 from sljax.data import make_source
-from test_train import REPO, TINY, train_in_process
+
+from helpers import REPO, TINY, train_in_process
 
 ENGINES = {"device": ["--engine=device"], "offload": ["--engine=offload", "--sub_batches=2", "--live_layers=1"]}
 STEPS = 15
@@ -81,6 +83,7 @@ def wait_for_step(process: subprocess.Popen, workdir, step: int, lines_before: i
     time.sleep(0.005)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine, stop", [("device", signal.SIGTERM), ("offload", signal.SIGINT)],
                          ids=["device-SIGTERM", "offload-SIGINT"])
 def test_killed_and_stopped_runs_resume_with_the_losses_of_an_uninterrupted_run(tmp_path, runs, uninterrupted,
@@ -130,6 +133,7 @@ def copy_run(source, workdir) -> str:
   return str(workdir / "checkpoints" / str(newest))
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_fails_with_one_line_naming_it(tmp_path, uninterrupted):
   newest = copy_run(uninterrupted["device"], tmp_path / "run")
   with open(os.path.join(newest, "state", "manifest.json"), "r+b") as f:
@@ -140,6 +144,7 @@ def test_corrupt_checkpoint_fails_with_one_line_naming_it(tmp_path, uninterrupte
   assert str(error.value).endswith("); delete it to resume from the one before") and "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_fails_with_one_line_naming_it(tmp_path, uninterrupted):
   newest = copy_run(uninterrupted["device"], tmp_path / "run")
   with pytest.raises(SystemExit) as error:
@@ -165,7 +170,7 @@ class BadBatches:
     return dict(batch, weights=batch["weights"] * np.nan) if step + 1 in self.steps else batch
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ["device", pytest.param("offload", marks=pytest.mark.slow)])
 def test_bad_steps_are_skipped_never_saved_and_stop_the_run_when_in_a_row(tmp_path, monkeypatch, engine):
   monkeypatch.setattr(launch, "make_source", lambda *args: BadBatches(make_source(*args), {3, 5, 6, 7}))
   with pytest.raises(SystemExit) as stopped:
@@ -193,7 +198,7 @@ def test_bad_steps_are_skipped_never_saved_and_stop_the_run_when_in_a_row(tmp_pa
 def test_a_finite_loss_with_a_non_finite_gradient_is_a_bad_step_too():
   # d sqrt(w) / dw at w = 0 is infinite while sqrt(0) is 0.
   model = SimpleNamespace(init=lambda key: {"w": jnp.zeros(3)}, loss=lambda params, batch: jnp.sqrt(params["w"]).sum())
-  engine = launch.all_on_device(model, optax.adam(0.1))
+  engine = sljax.steps.all_on_device(model, optax.adam(0.1))
   state = engine.init(jax.random.key(0))
   before = jax.tree.map(np.asarray, state)
   state, loss = engine.step(state, {})
@@ -214,7 +219,7 @@ def test_a_read_only_workdir_is_refused_before_anything_is_written(tmp_path):
 def slowed_steps(monkeypatch, on_dispatch):
   """Makes the all-on-device engine's steps slow on the device (the dispatch stays fast) and calls
   `on_dispatch(step, losses so far)` after each dispatch."""
-  make_engine = launch.all_on_device
+  make_engine = sljax.steps.all_on_device
 
   @jax.jit
   def slow(loss):
@@ -233,7 +238,7 @@ def slowed_steps(monkeypatch, on_dispatch):
 
     return inner._replace(step=step)
 
-  monkeypatch.setattr(launch, "all_on_device", engine)
+  monkeypatch.setattr(sljax.steps, "all_on_device", engine)
 
 
 def test_the_loop_runs_at_most_one_step_ahead_of_the_device(tmp_path, monkeypatch):
@@ -287,14 +292,14 @@ def test_the_disk_check_counts_the_saves_the_run_makes(tmp_path, monkeypatch, st
 
 
 def test_a_run_whose_updates_poison_the_state_saves_nothing_and_says_so(tmp_path, monkeypatch):
-  make_engine = launch.all_on_device
+  make_engine = sljax.steps.all_on_device
 
   def poisoning(*args, **kwargs):  # finite loss and gradient, non-finite update (a NaN learning rate does this)
     inner = make_engine(*args, **kwargs)
     poison = jax.jit(lambda state: jax.tree.map(lambda x: x * np.nan if x.dtype.kind == "f" else x, state))
     return inner._replace(step=lambda state, batch: (lambda out: (poison(out[0]), out[1]))(inner.step(state, batch)))
 
-  monkeypatch.setattr(launch, "all_on_device", poisoning)
+  monkeypatch.setattr(sljax.steps, "all_on_device", poisoning)
   with pytest.raises(SystemExit) as error:
     train(tmp_path / "run", "--steps=2", "--checkpoint_every=1", *ENGINES["device"])
   assert str(error.value).startswith("sljax: step 1's training state holds a non-finite value (")

@@ -4,7 +4,6 @@ the H200 machine, the smoke run without DeepSpeed (CI has none) and, where DeepS
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
@@ -12,7 +11,8 @@ import pytest
 
 from models.presets import get_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
+
 MODULE = "benchmarks.baselines.zero_inference_generate"
 GIB = 2**30
 
@@ -30,6 +30,7 @@ def by_bits(result: dict) -> dict:
   return {w["weight_bits"]: w for w in result["weight_formats"]}
 
 
+@pytest.mark.slow
 def test_plan_keeps_only_int4_weights_within_the_h200_machines_128_gib(tmp_path):
   """ZeRO-3 param offload pins every parameter on the host: the 16-bit models (138 and 131 GB) cannot fit, so their
   configurations are never started; int4 (about 0.56 bytes per quantized weight) can, and so can an offloaded KV
@@ -51,6 +52,7 @@ def test_plan_keeps_only_int4_weights_within_the_h200_machines_128_gib(tmp_path)
   assert offloaded[256]["host_kv_pinned_bytes"] == 80 * 2 * (256 + 512) * 2**20
 
 
+@pytest.mark.slow
 def test_smoke_without_deepspeed_writes_the_plan_and_says_generation_was_not_run(tmp_path):
   if importlib.util.find_spec("deepspeed"):
     pytest.skip("DeepSpeed is importable here: test_smoke_runs_zero_inference_on_tiny_models runs the real path")
@@ -62,6 +64,7 @@ def test_smoke_without_deepspeed_writes_the_plan_and_says_generation_was_not_run
     assert {e["status"] for e in model["sweep"]} == {result["status"]}
 
 
+@pytest.mark.slow
 def test_smoke_runs_zero_inference_on_tiny_models(tmp_path):
   pytest.importorskip("deepspeed", reason="DeepSpeed is installed only where install_deepspeed.sh ran (not in CI)")
   result = run(tmp_path, "--smoke", timeout=600)

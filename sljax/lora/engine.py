@@ -1,0 +1,257 @@
+"""LoRA fine-tuning, one step (`LoraEngine.step`) top to bottom:
+
+  embed every sub-batch                           (the frozen embeddings and head stay on the device)
+  for each group g but the last: base W_g on the device (resident, or fetched from pinned host one group ahead);
+      stash h[g][s]; every sub-batch through W_g + its adapters -> h[g+1][s]
+  last group: forward + head + backward per sub-batch, residuals kept -> dh, the group's adapter gradient
+  for each group g, last-but-one down to 0: W_g again (a streamed group crosses PCIe a second time); the stashed
+      inputs back; recompute + backward of every sub-batch: input gradients and adapter gradients, none for the base
+  one optax update of every adapter at once, on the device
+
+The base has no master copy, no gradient and no optimizer state: it is held by the engine (`load_base` / `init_base`)
+in the dtypes its layers run in and never changes, so the state a step consumes and returns (and a checkpoint holds)
+is only the adapters, their optimizer state and the step count. Because the whole trainable state is on the device,
+the update is the optimizer's own over all adapters at once: any optax chain, global-norm clipping included, is
+exactly the plain step's.
+"""
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import traverse_util
+
+from models.common import layer_compute_dtypes, loss_denominator, params_reader
+from sljax.generate import layer_groups
+from sljax.lora.model import LoraModel, join_adapters, split_adapters
+from sljax.memory import InFlight, Placement, prefetch
+from sljax.mesh import check_batch
+from sljax.sizes import model_sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraEngineConfig:
+  sub_batches: int = 1  # N: the effective batch is split into N sub-batches that share each fetch of a base group
+  live_layers: int = 1  # layers per group
+  resident_layers: int = 0  # base layers that stay on the device (spread among the streamed ones); the rest stream
+  activations_on_host: bool = True  # stash group-boundary hidden states in pinned host memory for the backward
+
+
+def lora_flops_per_token(model: LoraModel, seq_len: int, recomputed_layers: int) -> float:
+  """FLOPs per token of one LoRA step as the engine runs it, the figure its MFU counts: the base's matmuls forward
+  and input-gradient (2 + 2 x params), once more forward for each recomputed layer, the adapters' (forward,
+  recompute, input and adapter gradients), causal attention in the same passes (forward 2 S D per layer, backward
+  twice that), and the head forward + input gradient. No weight gradient of the base is computed or counted."""
+  sizes = model_sizes(model.base)
+  cfg, layers = model.cfg, model.cfg.num_layers
+  probe = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))
+  base, adapters = split_adapters(probe)
+  kernels = sum(x.size for path, x in traverse_util.flatten_dict(base).items() if path[-1] == "kernel")
+  adapter_params = sum(x.size for x in jax.tree.leaves(adapters))
+  attention = 2 * seq_len * sizes.hidden  # causal QK^T and AV of one forward
+  passes = layers + recomputed_layers  # forwards run
+  head = 4 * cfg.vocab_size * sizes.hidden if hasattr(cfg, "vocab_size") else 0
+  return (2 * kernels * (passes + layers) + 2 * adapter_params * (passes + 2 * layers)
+          + attention * (passes + 2 * layers) + head)
+
+
+class LoraEngine:
+  """Fine-tunes the adapters of `model` (a LoraModel) layer-major with `optimizer`, on one device.
+
+    engine = LoraEngine(LoraModel(model, LoraConfig(rank=16)), optax.adamw(1e-4), LoraEngineConfig(...))
+    engine.load_base(base_params)           # or init_base(key): {"outer", "layers"} of the base model, or a reader
+    state = engine.init(key)                 # the adapters, their optimizer state, the step
+    state, loss = engine.step(state, batch)  # consumes state
+  """
+
+  skips_bad_steps = True
+
+  def __init__(self, model: LoraModel, optimizer: optax.GradientTransformation, cfg: LoraEngineConfig,
+               placement: Placement | None = None):
+    if getattr(model.cfg, "remat", False):
+      model = model.without_remat()  # each group's backward already recomputes it
+    num_layers = model.cfg.num_layers
+    if cfg.sub_batches < 1 or cfg.live_layers < 1:
+      raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
+    if not 0 <= cfg.resident_layers <= num_layers:
+      raise ValueError(f"resident_layers must be in 0..{num_layers}, got {cfg.resident_layers}")
+    self.model, self.optimizer, self.cfg = model, optimizer, cfg
+    self.place = placement or Placement.single()
+    if self.place.mesh.size != 1:
+      raise ValueError(f"LoRA fine-tuning runs on one device; the placement's mesh has {self.place.mesh.size}")
+    self.groups, self.resident = layer_groups(num_layers, cfg.resident_layers, cfg.live_layers)
+    self.base = None  # {"outer": on the device, "groups": [group g's base layers, on the device or pinned host]}
+    probe = jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), 1)))
+    self.base_dtypes = layer_compute_dtypes(model.base, probe)
+    layers = lambda base, adapters, x: model.layers(join_adapters(base, adapters), x)
+    self._embed = jax.jit(model.embed)
+    self._forward = jax.jit(layers)
+    self._last_group = jax.jit(self._last_group_fn, donate_argnums=(3, 7))
+    self._backward = jax.jit(self._backward_fn, donate_argnums=(2, 4))
+    self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))
+    self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+    self._cast = jax.jit(lambda stacked: jax.tree.map(lambda x, dtype: x.astype(dtype), stacked,
+                                                      layer_compute_dtypes(model.base, stacked)))
+    self._init_base_layers = jax.jit(lambda keys: self._cast(model.base.init_layers(keys)))
+    self._init_outer = jax.jit(model.base.init_outer)
+
+  # ---- jitted pieces -------------------------------------------------------------------------------------------
+
+  def _last_group_fn(self, base, adapters, outer, x, targets, weights, inv_total, grads):
+    def loss_fn(adapters, x):
+      h = self.model.layers(join_adapters(base, adapters), x)
+      return self.model.head_loss(outer, h, targets, weights) * inv_total
+
+    loss, (d_adapters, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1))(adapters, x)
+    return loss, dx, jax.tree.map(jnp.add, grads, d_adapters)
+
+  def _backward_fn(self, base, adapters, x, dy, grads):
+    _, vjp = jax.vjp(lambda adapters, x: self.model.layers(join_adapters(base, adapters), x), adapters, x)
+    d_adapters, dx = vjp(dy)
+    return dx, jax.tree.map(jnp.add, grads, d_adapters)
+
+  def _update_fn(self, adapters, opt_state, grads, loss):
+    """The optimizer's update of every adapter, or (a non-finite loss or gradient) the state unchanged."""
+    ok = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
+    updates, new_opt_state = self.optimizer.update(grads, opt_state, adapters)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    return keep(optax.apply_updates(adapters, updates), adapters), keep(new_opt_state, opt_state), ok
+
+  @property
+  def calls(self) -> "LoraCalls":
+    """The step's jitted calls that the plan sizes (compiled memory analysis, sljax.lora.plan)."""
+    return LoraCalls(last_group=self._last_group, backward=self._backward, cast=self._cast)
+
+  # ---- the frozen base -----------------------------------------------------------------------------------------
+
+  def _home(self, g: int, tree):
+    return self.place.to_device(tree) if self.resident[g] else self.place.to_host(tree)
+
+  def init_base(self, key: jax.Array):
+    """A random base (the base model's init, one group at a time), for benchmarks."""
+    outer_key, layers_key = jax.random.split(key)
+    keys = jax.random.split(layers_key, self.model.cfg.num_layers)
+    self.base = {"outer": self._init_outer(outer_key),
+                 "groups": [self._home(g, self._init_base_layers(keys[a:b])) for g, (a, b) in enumerate(self.groups)]}
+
+  def load_base(self, params):
+    """The base from full base-model params ({"outer", "layers"}, numpy or jax) or a reader with outer() and
+    layers(start, stop) (models.hf.HFWeights), read one group at a time straight to its home."""
+    reader = params_reader(params)
+    cast = lambda tree: jax.tree.map(lambda x, dtype: np.asarray(x).astype(dtype, copy=False), tree,
+                                     layer_compute_dtypes(self.model.base, tree))
+    self.base = {"outer": self.place.to_device(jax.tree.map(np.asarray, reader.outer())),
+                 "groups": [self._home(g, cast(reader.layers(a, b))) for g, (a, b) in enumerate(self.groups)]}
+
+  def base_params(self) -> dict:
+    """The base as full-model params, numpy (for tests and export)."""
+    layers = [jax.tree.map(np.asarray, group) for group in self.base["groups"]]
+    return {"outer": jax.tree.map(np.asarray, self.base["outer"]),
+            "layers": jax.tree.map(lambda *xs: np.concatenate(xs), *layers)}
+
+  # ---- the trainable state -------------------------------------------------------------------------------------
+
+  def init(self, key: jax.Array) -> dict:
+    """Fresh adapters (LoraModel.init_adapters: the model starts as the base), their optimizer state, step 0."""
+    shapes = jax.eval_shape(lambda: self.model.base.init_layers(jax.random.split(jax.random.key(0),
+                                                                                  self.model.cfg.num_layers)))
+    adapters = jax.jit(self.model.init_adapters)(key, shapes)
+    return self.from_adapters(adapters)
+
+  def from_adapters(self, adapters) -> dict:
+    """State from adapters stacked over all layers (as LoraModel's params hold them)."""
+    groups = [jax.tree.map(lambda x: jnp.asarray(x[a:b], jnp.float32), adapters) for a, b in self.groups]
+    groups = self.place.to_device(groups)
+    # Laid out as the step's outputs are (the optimizer's counters too, which a plain jit would leave unplaced):
+    # otherwise the second step compiles the update again, a minute for llama70b's adapters on the GPU.
+    return {"step": self.place.to_device(np.zeros((), np.int32)), "adapters": groups,
+            "opt": jax.jit(self.optimizer.init, out_shardings=self.place.device())(groups)}
+
+  def adapters(self, state: dict) -> dict:
+    """The adapters stacked over all layers, numpy."""
+    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *state["adapters"])
+
+  def abstract(self, key: jax.Array) -> dict:
+    """Shapes, dtypes and shardings of `init(key)` (everything on the device), allocating nothing."""
+    sharding = self.place.device()
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                        jax.eval_shape(self.init, key))
+
+  def settle(self, state: dict) -> dict:
+    return state  # nothing is ever deferred: the update runs at the end of each step
+
+  # ---- the step ------------------------------------------------------------------------------------------------
+
+  def _fetch(self, g: int):
+    """Group g's base layers on the device: a resident group's are there; a streamed group's cross PCIe."""
+    group = self.base["groups"][g]
+    return group if self.resident[g] else self.place.to_device(group)
+
+  def _stash(self, x):
+    return self.place.to_host(x) if self.cfg.activations_on_host else x
+
+  def _unstash(self, x):
+    return self.place.to_device(x) if self.cfg.activations_on_host else x
+
+  def step(self, state: dict, batch: dict) -> tuple[dict, jax.Array]:
+    """One optimizer step of the adapters on `batch` ({"inputs", "targets", "weights"}: [B, S] numpy, B = N x b).
+    Returns (the new state, the loss: the weighted mean over the whole batch; NaN when the step was skipped for a
+    non-finite loss or gradient, and then the state is unchanged). Consumes `state`."""
+    if self.base is None:
+      raise ValueError("the engine has no base: call load_base(params) or init_base(key) first")
+    n = self.cfg.sub_batches
+    check_batch(batch["inputs"].shape[0], n, self.place.mesh)
+    tokens, targets, loss_weights = ([self.place.to_device(part) for part in np.split(np.asarray(batch[key]), n)]
+                                     for key in ("inputs", "targets", "weights"))
+    inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
+    outer, adapters, last = self.base["outer"], state["adapters"], len(self.groups) - 1
+    # The host stays one group ahead of the device (and starts a step once the last one is done), so the device
+    # holds the streamed groups' weights (sljax.lora.plan.STREAMED_IN_FLIGHT) and the calls' buffers the plan counts,
+    # not those of every group dispatched.
+    jax.block_until_ready(state["step"])
+    pace = InFlight(1)
+    # Each streamed group crosses PCIe once forward and once backward; the last group's weights serve both.
+    stream = prefetch([*range(last + 1), *range(last - 1, -1, -1)], self._fetch)
+
+    level = [self._embed(outer, tokens[s]) for s in range(n)]
+    boundaries = []
+    for g in range(last):
+      w = next(stream)
+      boundaries.append([self._stash(x) for x in level])
+      level = [self._forward(w, adapters[g], x) for x in level]
+      pace.add(level[-1])
+
+    w, grads = next(stream), [None] * (last + 1)
+    acc, losses, cotangents = self._zeros(adapters[last]), [], []
+    for s, x in enumerate(level):
+      loss, dx, acc = self._last_group(w, adapters[last], outer, x, targets[s], loss_weights[s], inv_total, acc)
+      losses.append(loss)
+      cotangents.append(dx)
+    pace.add(cotangents[-1])
+    del level
+    grads[last] = acc
+
+    for g in range(last - 1, -1, -1):
+      w, acc, dxs = next(stream), self._zeros(adapters[g]), []
+      for x, dy in zip(prefetch(boundaries.pop(), self._unstash), cotangents):
+        dx, acc = self._backward(w, adapters[g], x, dy, acc)
+        dxs.append(dx)
+      pace.add(dxs[-1])
+      cotangents, grads[g] = dxs, acc
+    del cotangents
+
+    loss = sum(losses)
+    new_adapters, new_opt, ok = self._update(adapters, state["opt"], grads, loss)
+    return ({"step": state["step"] + ok.astype(jnp.int32), "adapters": new_adapters, "opt": new_opt},
+            jnp.where(ok, loss, jnp.nan))
+
+
+class LoraCalls(NamedTuple):
+  """Pieces of `LoraEngine.step`; x, dy: one sub-batch's hidden states, base and adapters: one group's."""
+
+  last_group: Callable  # (base, adapters, outer, x, targets, weights, 1 / total weight, grads) -> (loss, dx, grads)
+  backward: Callable  # (base, adapters, x, dy, grads) -> (dx, grads): recompute + backward of a group
+  cast: Callable  # stacked base layers -> the same in the dtypes the base model runs them in

@@ -1,0 +1,165 @@
+"""plan_lora: how the LoRA engine runs on one device within a device and a pinned host budget."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sljax.footprint import (MARGIN, SCRATCH, SUB_BATCH_TOKENS, Footprint, Pass, compiled_peak, compute_bound,
+                             machine_for, margin_bytes, pass_copy_seconds)
+from sljax.generate import layer_groups
+from sljax.lora.engine import LoraEngine, LoraEngineConfig
+from sljax.lora.model import LoraModel, split_adapters
+from sljax.machines import GIB, Budget, Machine
+from sljax.memory import tree_bytes
+from sljax.plan import gpu_peak_from_cpu
+from sljax.sizes import model_sizes
+
+# Streamed groups' weights on the device at once, as the step paces itself (one group ahead, sljax.memory.InFlight):
+# the group whose calls may still be running (its buffers are freed once they have run), the next one, and the one
+# after it, whose copy is issued as the next is taken.
+STREAMED_IN_FLIGHT = 3
+
+
+class LoraPlan(NamedTuple):
+  engine: LoraEngineConfig
+  batch: int  # rows per step
+  device_bytes: dict
+  host_bytes: dict
+  # The forward pass and the backward pass (recompute + input gradients: twice the forward's compute); each copies
+  # every streamed layer in, the stash in pinned host memory goes out in the forward and comes back in the backward.
+  phases: dict[str, Pass]
+  budget: Budget
+  machine: Machine
+
+  @property
+  def footprint(self) -> Footprint:
+    return Footprint(self.device_bytes, self.host_bytes)
+
+  @property
+  def copy_seconds(self) -> float:
+    """The copies' time over a step, pass by pass."""
+    return sum(pass_copy_seconds(self.machine, phase) for phase in self.phases.values())
+
+  @property
+  def compute_bound(self) -> bool:
+    return compute_bound(self.machine, list(self.phases.values()))
+
+  def describe(self) -> str:
+    e = self.engine
+    stash = "in pinned host" if e.activations_on_host else "on the device"
+    return "\n".join([
+        f"LoRA plan: batch {self.batch} as {e.sub_batches} sub-batches, {e.resident_layers} base layers resident "
+        f"(the rest stream), {e.live_layers} per group, activations {stash}",
+        *("  " + line for line in self.footprint.describe(self.budget)),
+        "  " + "; ".join(f"{name}: compute {phase.compute_seconds:.2f} s, copies "
+                         f"{pass_copy_seconds(self.machine, phase):.2f} s" for name, phase in self.phases.items())
+        + f" ({'compute-bound' if self.compute_bound else 'transfer-bound'})"])
+
+
+def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, seq_len: int) -> int:
+  """The larger of the last group's and a backward call's compiled scratch (temp bytes: the plan counts their
+  outputs, dx and the adapters' gradients, as parts of its own) for one sub-batch of rows, as this process's backend
+  compiles them."""
+
+  def lowered():
+    step = LoraEngine(model, optax.sgd(0.0), LoraEngineConfig(live_layers=live_layers)).calls
+    shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+    x = shape(rows, seq_len, model_sizes(model.base).hidden)
+
+    def stacked(layers):
+      base = jax.eval_shape(lambda: step.cast(model.base.init_layers(jax.random.split(jax.random.key(0), layers))))
+      return base, jax.eval_shape(model.init_adapters, jax.random.key(0), base)
+
+    base, adapters = stacked(last_layers)
+    outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
+    calls = [step.last_group.lower(base, adapters, outer, x, shape(rows, seq_len, dtype=jnp.int32),
+                                   shape(rows, seq_len, dtype=jnp.float32), shape(dtype=jnp.float32), adapters)]
+    if model.cfg.num_layers > last_layers:
+      base, adapters = stacked(live_layers)
+      calls.append(step.backward.lower(base, adapters, x, x, adapters))
+    return calls
+
+  return compiled_peak((type(model.base), model.cfg, model.lora, live_layers, last_layers, rows, seq_len), lowered)
+
+
+def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, sub_batches: int = 0,
+              live_layers: int = 1, max_rows: int = 256, optimizer: optax.GradientTransformation | None = None,
+              target: Machine | None = None) -> LoraPlan:
+  """How the engine runs on one device: sub-batches of about SUB_BATCH_TOKENS tokens; the group-boundary
+  activations on the device when everything fits there, else in pinned host memory; as many base layers resident as
+  the device holds beside the adapters' state, the activations and the compiled calls' peak (the rest stream from
+  pinned host); and (batch 0) the fewest rows whose passes are compute-bound with a margin, else the most that fit.
+  target: plan for one GPU of that machine (its rates; made on a CPU, the calls' compiled peak corrected by
+  sljax.plan.gpu_peak_from_cpu, an estimate) instead of for this process's device. ValueError when nothing fits."""
+  sizes = model_sizes(model.base)
+  machine = machine_for(target)
+  on_cpu = jax.devices()[0].platform == "cpu"
+  peak_of = lambda rows: (gpu_peak_from_cpu if target and on_cpu else int)(
+      _call_peak(model, live_layers, last_layers, rows, seq_len))
+  optimizer = optimizer or optax.adamw(1e-4)
+  layers, layer = sizes.num_layers, sizes.layer_weight_bytes
+  adapters = split_adapters(jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), layers))))[1]
+  outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
+  fixed = {MARGIN: margin_bytes(target),
+           "embeddings+head (frozen)": tree_bytes(outer),
+           # master, gradients, the new master; the optimizer state and its new value
+           "adapters (master, grads, optimizer, update)":
+               3 * tree_bytes(adapters) + 2 * tree_bytes(jax.eval_shape(optimizer.init, adapters))}
+  groups = layer_groups(layers, 0, live_layers)[0]
+  last_layers = groups[-1][1] - groups[-1][0]
+
+  def layout(rows: int, n: int) -> LoraPlan | None:
+    """The plan for rows in n sub-batches whose step copies the fewest bytes: the stash on the device costs base
+    layers that must then stream (twice per step each), the stash in host memory costs its own copies out and in."""
+    sub = rows // n
+    act = sizes.activation_bytes(sub, seq_len)
+    stash = (len(groups) - 1) * n * act  # every group's input but the last's
+    peak = peak_of(sub)
+    # One pass over the base: 2 FLOPs per parameter and token at the machine's layer efficiency. The backward runs
+    # it twice (recompute, input gradients); each pass copies every streamed layer in, the stash crosses once each way.
+    forward = rows * seq_len * 2 * sizes.layer_params * layers / (machine.peak_flops * machine.layer_efficiency)
+    plans = []
+    for on_host in (False, True):
+      device = dict(fixed, **{"activations in flight": 3 * n * act, SCRATCH: peak,
+                              "stashed activations": 0 if on_host else stash})
+      left = budget.device_bytes - sum(device.values())
+      in_flight = STREAMED_IN_FLIGHT * live_layers * layer
+      resident = layers if left >= layers * layer else int((left - in_flight) // layer)
+      streamed = layers - resident
+      host = {"streamed base layers": streamed * layer, "stashed activations": stash if on_host else 0}
+      if resident < 0 or sum(host.values()) > budget.host_bytes:
+        continue
+      device["resident base layers"] = resident * layer
+      device[f"streamed base groups ({STREAMED_IN_FLIGHT} in flight)"] = in_flight if streamed else 0
+      out = stash if on_host else 0
+      phases = {"forward": Pass(forward, streamed * layer, out), "backward": Pass(2 * forward, streamed * layer + out, 0)}
+      plans.append(LoraPlan(LoraEngineConfig(n, live_layers, resident, on_host), rows, device, host, phases, budget,
+                            machine))
+    return min(plans, key=lambda plan: plan.copy_seconds, default=None)
+
+  per_call = max(1, SUB_BATCH_TOKENS // seq_len)  # rows per sub-batch call
+  # The fewest sub-batches whose rows stay within per_call (or the number given).
+  split = lambda rows: sub_batches or min(d for d in range(1, rows + 1) if rows % d == 0 and rows // d <= per_call)
+  if batch:
+    if sub_batches and batch % sub_batches:
+      raise ValueError(f"LoRA: batch {batch} does not split into {sub_batches} sub-batches")
+    plan = layout(batch, split(batch))
+    if plan is None:
+      raise ValueError(f"LoRA: batch {batch} x {seq_len} tokens does not fit {budget.device_bytes / GIB:.1f} GiB "
+                       f"of device and {budget.host_bytes / GIB:.1f} GiB of pinned host memory")
+    return plan
+  best = None
+  step = sub_batches or per_call
+  for rows in range(step, max_rows + 1, step):
+    plan = layout(rows, split(rows))
+    if plan is None:
+      break
+    best = plan
+    if plan.compute_bound:
+      break
+  if best is None:
+    raise ValueError(f"LoRA: not even {step} rows of {seq_len} tokens fit {budget.device_bytes / GIB:.1f} GiB "
+                     f"of device and {budget.host_bytes / GIB:.1f} GiB of pinned host memory")
+  return best

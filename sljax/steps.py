@@ -1,0 +1,139 @@
+"""A training step of each kind as sljax.trainer's loop takes it (StepFunctions): the plain all-on-device step and
+whether its state fits, the SpeedLoader offload engine (sljax.schedule), the LoRA engine (sljax.lora.engine).
+"""
+
+import typing
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from models.common import params_reader
+from models.config import ModelConfig
+from models.presets import build
+from sljax import schedule
+from sljax.lora.checkpoint import random_base_key
+from sljax.lora.engine import LoraEngine, LoraEngineConfig
+from sljax.lora.model import LoraConfig, LoraModel, split_adapters
+from sljax.machines import GIB, available_ram_bytes
+from sljax.memory import Placement
+from sljax.mesh import PER_DEVICE
+from sljax.optim import OptimConfig, make_optimizer
+from sljax.plan import optimizer_bytes_per_param
+from sljax.schedule import EngineConfig
+
+
+def training_state_bytes(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> int:
+  """Master weights, gradients and the optimizer's state; activations come on top."""
+  param_bytes = jnp.dtype(model_cfg.param_dtype).itemsize
+  per_param = 2 * param_bytes + optimizer_bytes_per_param(make_optimizer(optim_cfg), model_cfg.param_dtype)
+  return int(model_cfg.param_count() * per_param)
+
+
+def memory_available(device: jax.Device) -> int | None:
+  """Bytes a training state may use: the accelerator's allocator limit, or the host's available RAM on CPU; None
+  when the platform does not say."""
+  if device.platform == "cpu":
+    return available_ram_bytes()
+  return (device.memory_stats() or {}).get("bytes_limit")
+
+
+def check_fits(model_name: str, model_cfg: ModelConfig, optim_cfg: OptimConfig, device: jax.Device):
+  """Raises ValueError before anything is allocated when the all-on-device training state cannot fit."""
+  needed, available = training_state_bytes(model_cfg, optim_cfg), memory_available(device)
+  if available is not None and needed > available:
+    raise ValueError(
+        f"{model_name} ({model_cfg.param_count() / 1e9:.2f} B params) needs {needed / GIB:.1f} GiB for weights, "
+        f"gradients and Adam moments, but {device.device_kind} {device.id} has {available / GIB:.1f} GiB; "
+        f"train it with the offload engine (--engine=offload)")
+
+
+class StepFunctions(NamedTuple):
+  """A training step (sljax.trainer.Step) as functions: how all_on_device and offloaded hand one to the loop."""
+
+  init: typing.Callable  # key -> state
+  load: typing.Callable  # full-model params ({"outer", "layers"}) or a reader of them (models.hf.HFWeights) -> state
+  step: typing.Callable  # (state, batch) -> (state, loss); may donate state
+  abstract: typing.Callable  # key -> state of jax.ShapeDtypeStruct with shardings
+  skips_bad_steps: bool
+  settle: typing.Callable = lambda state: state  # state -> the state with its deferred updates applied
+
+
+def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.Device | None = None,
+                  mesh: jax.sharding.Mesh | None = None) -> StepFunctions:
+  """The whole model, its gradients and optimizer state on one device; one jitted call per step. With `mesh`: on
+  every device of it, each taking its rows of the batch (data parallel; XLA all-reduces the gradient)."""
+  sharding = (Placement(mesh).device() if mesh is not None
+              else jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))
+
+  def init(key):
+    params = model.init(key)
+    return {"params": params, "opt_state": optimizer.init(params)}
+
+  def load(params):
+    reader = params_reader(params)  # the whole model fits on the device here, so it fits in host RAM too
+    params = jax.device_put({"outer": reader.outer(), "layers": reader.layers(0, model.cfg.num_layers)}, sharding)
+    return jax.jit(lambda p: {"params": p, "opt_state": optimizer.init(p)}, out_shardings=sharding)(params)
+
+  def step(state, batch):
+    loss, grads = jax.value_and_grad(model.loss)(state["params"], batch)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    new_state = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
+    finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
+    keep_old = lambda new, old: jnp.where(finite, new, old)
+    return jax.tree.map(keep_old, new_state, state), jnp.where(finite, loss, jnp.nan)
+
+  init = jax.jit(init, out_shardings=sharding)
+  step = jax.jit(step, donate_argnums=0)
+  if mesh is not None:  # each device takes its rows of the batch
+    place, sharded_step = Placement(mesh), step
+    step = lambda state, batch: sharded_step(state, place.to_device(batch, PER_DEVICE))
+  return StepFunctions(init, load, step, lambda key: jax.eval_shape(init, key), skips_bad_steps=True)
+
+
+def offload_engine(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
+                   mesh: jax.sharding.Mesh | None = None) -> schedule.Engine:
+  """The engine train.py runs for `optim_cfg` and the plan's `engine_cfg`: its AdamW without clipping, which the
+  engine does itself (exactly, over all groups) at engine_cfg.grad_clip_norm, the plan's from optim_cfg."""
+  return schedule.Engine(model, make_optimizer(optim_cfg, clip=False), engine_cfg,
+                         None if mesh is None else Placement(mesh))
+
+
+def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
+              mesh: jax.sharding.Mesh | None = None) -> StepFunctions:
+  """The SpeedLoader engine (sljax.schedule): layer-major, sub-batched, with host-resident state; over `mesh`, data
+  parallel + FSDP."""
+  engine = offload_engine(model, optim_cfg, engine_cfg, mesh)
+  # A non-finite loss leaves its state unchanged; a non-finite gradient too when clipping (the updates then wait for
+  # the global norm). Without clipping, updates stream out before the whole gradient is known: rewind instead.
+  return StepFunctions(engine.init, engine.from_params, engine.step, engine.abstract_state,
+                       skips_bad_steps=engine.cfg.grad_clip_norm > 0, settle=engine.settle)
+
+
+def lora_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, lora: LoraConfig, engine_cfg: LoraEngineConfig,
+                base, seed: int) -> LoraEngine:
+  """The LoRA engine train.py runs (sljax.lora.engine): its AdamW and clipping over all adapters at once, on the frozen
+  base `base` (full base-model params or a reader, models.hf.HFWeights, read one group at a time), or with None the
+  random base of `seed`."""
+  engine = LoraEngine(LoraModel(build(model_cfg), lora), make_optimizer(optim_cfg), engine_cfg)
+  if base is None:
+    engine.init_base(random_base_key(seed))
+  else:
+    engine.load_base(base)
+  return engine
+
+
+def fine_tuned(engine: LoraEngine) -> StepFunctions:
+  """The LoRA engine as a training step: its state is the adapters, their optimizer state and the step; `load`
+  takes LoraModel params (the base in them is not read: the engine holds its own)."""
+  load = lambda params: engine.from_adapters(split_adapters(params["layers"])[1])
+  return StepFunctions(engine.init, load, engine.step, engine.abstract, engine.skips_bad_steps, engine.settle)
+
+
+def make_step(model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: EngineConfig | None,
+              mesh: jax.sharding.Mesh | None = None) -> StepFunctions:
+  """The offload engine's step with `engine_cfg`, else the plain all-on-device step; over `mesh` when given."""
+  if engine_cfg is None:
+    return all_on_device(build(model_cfg), make_optimizer(optim_cfg), jax.devices()[0], mesh)
+  return offloaded(build(model_cfg), optim_cfg, engine_cfg, mesh)

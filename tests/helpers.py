@@ -1,0 +1,111 @@
+"""What several test files share, in one place: no test file imports another (test_suite.py checks it). Imported as
+`helpers` (conftest.py puts tests/ on sys.path; tests/test_mesh.py's worker process finds it beside itself)."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- trees and batches -------------------------------------------------------------------------------------------
+
+def flat(tree) -> np.ndarray:
+  """Every leaf of a tree, raveled into one float64 vector."""
+  return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+
+def rel_error(got, want) -> float:
+  got, want = flat(got), flat(want)
+  return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def make_batch(rng, rows, seq=8):
+  tokens = rng.integers(0, 256, (rows, seq + 1)).astype(np.int32)
+  weights = (rng.random((rows, seq)) > 0.25).astype(np.float32)  # some tokens masked: the mean is over the rest
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
+
+
+# ---- the plain full-batch step, what the engines are held to -----------------------------------------------------
+
+@functools.cache
+def _value_and_grad(model):
+  return jax.jit(jax.value_and_grad(model.loss))
+
+
+@functools.cache
+def _init(model):
+  return jax.jit(model.init)
+
+
+def init_params(model, seed: int):
+  """model.init, jitted with an rbg key: XLA:CPU compiles it in a third of threefry's time (or of init op by op)."""
+  return _init(model)(jax.random.key(seed, impl="rbg"))
+
+
+def reference_steps(model, optimizer, clip, params, batches):
+  """Plain full-batch training: jax.grad over the whole model, then optax. Only the gradient is jitted (once per
+  model): the optimizer runs op by op, whose kernels any optimizer and clipping norm share, so examples that draw
+  another compile nothing new for it."""
+  tx = optax.chain(optax.clip_by_global_norm(clip), optimizer) if clip else optimizer
+  opt_state = tx.init(params)
+  losses = []
+  for batch in batches:
+    loss, grads = _value_and_grad(model)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    losses.append(float(loss))
+  return losses, params
+
+
+# ---- train.py and generate.py, as their command lines run them ---------------------------------------------------
+
+TINY = ["--set=num_layers=2", "--set=hidden_size=64", "--set=intermediate_size=128", "--set=num_heads=2",
+        "--set=num_kv_heads=1", "--seq_len=32", "--batch_size=4", "--max_tokens=200000", "--warmup_steps=1",
+        "--log_every=1"]
+
+
+def run_train(*args) -> dict[int, float]:
+  """train.py's run() in this process, on flags parsed as its command line `args` would be."""
+  from absl import flags
+
+  from sljax.cli import train  # defines train.py's flags: only the files that run it load it
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["train.py", *args])
+  return train.run()
+
+
+def train_in_process(workdir, *args) -> dict[int, float]:
+  """A tiny model's train.py run in `workdir`."""
+  return run_train(f"--workdir={workdir}", *TINY, *args)
+
+
+# Runs generate.run() once per case in one process, since each CLI run would pay for its own jax start (and
+# generate.py's flags clash with train.py's in the test process).
+GENERATE_CASES = """
+import json, sys
+from absl import flags
+from sljax.cli import generate
+results = []
+for args in json.loads(sys.argv[1]):
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["generate.py", *args])
+  try:
+    results.append({"records": generate.run()})
+  except SystemExit as exit:
+    results.append({"exit": str(exit)})
+print(json.dumps(results))
+"""
+
+
+def generate_cases(cases: list[list[str]], timeout: int = 300) -> subprocess.CompletedProcess:
+  """generate.py's run() on each flag list in `cases`, in one fresh process; its last stdout line holds a JSON list
+  of {"records": ...} or {"exit": the SystemExit's message}, one per case."""
+  return subprocess.run([sys.executable, "-c", GENERATE_CASES, json.dumps(cases)], cwd=REPO, capture_output=True,
+                        text=True, timeout=timeout)
