@@ -108,6 +108,20 @@ def test_train_throughput_names_an_unknown_case(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_plan_vs_peak_smoke_measures_each_planners_cli_against_its_plan(tmp_path):
+  """Training (offload, clipped), LoRA and generation, each as its CLI runs with --memory_peaks. On CPU the plans
+  print 0.0 GiB tiers (tiny models at 0.1 GiB resolution), so whether they hold is for the GPU's file to say."""
+  result = smoke("plan_vs_peak", tmp_path)
+  assert has_provenance(result, "plan_vs_peak")
+  assert [row["case"] for row in result["results"]] == ["train_offload", "lora", "generate"]
+  for row in result["results"]:
+    assert "error" not in row, row
+    assert row["peaks_bytes"]["device"] > 0 and row["device"]["measured_is"] == "live arrays (no allocator)"
+    assert {"planned_gib", "measured_gib", "within_plan"} <= set(row["pinned_host"])
+
+
+@pytest.mark.slow
 def test_generate_throughput_smoke_streams_and_counts_the_bytes(tmp_path):
   result = smoke("generate_throughput", tmp_path, "--models=llama70b", "--streamed_bits=4", "--weight_group_size=8")
   assert has_provenance(result, "generate_throughput")

@@ -144,6 +144,12 @@ def tiny_engine(**engine_overrides):
   return model, Engine(model, optax.adamw(1e-3), EngineConfig(**engine_overrides))
 
 
+@functools.cache
+def shared_tiny_engine(**engine_overrides):
+  """tiny_engine, one per config for the tests that only step it: a new engine traces all its calls again (3 s)."""
+  return tiny_engine(**engine_overrides)
+
+
 def test_state_lives_in_pinned_host_memory_unless_kept_on_device():
   model, engine = tiny_engine(live_layers=1, device_state_groups=1)
   state = engine.init(jax.random.key(0))
@@ -270,7 +276,7 @@ def test_int8_exchange_step_stays_close_to_exact():
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_non_finite_step_changes_nothing(clip):
-  model, engine = tiny_engine(sub_batches=2, live_layers=1, grad_clip_norm=clip, device_state_groups=1)
+  model, engine = shared_tiny_engine(sub_batches=2, live_layers=1, grad_clip_norm=clip, device_state_groups=1)
   state = engine.init(jax.random.key(0))
   before = jax.tree.map(np.asarray, engine.params(state))
   batch = make_batch(np.random.default_rng(0), 4, 8)
@@ -312,7 +318,7 @@ def test_a_clipped_step_holds_one_steps_parked_gradients_not_two():
 def test_a_state_the_caller_drops_is_freed_whole(clip):
   """The engine keeps no reference to a state's buffers past their use: after `del state` no array of it is left in
   device or pinned host memory, so a state restored in the same process has the memory the dropped one had."""
-  _, engine = tiny_engine(sub_batches=2, live_layers=1, grad_clip_norm=clip, device_state_groups=1)
+  _, engine = shared_tiny_engine(sub_batches=2, live_layers=1, grad_clip_norm=clip, device_state_groups=1)
   live = lambda: {id(x) for x in jax.live_arrays()}
   before = live()
   state, batch = engine.init(jax.random.key(0)), make_batch(np.random.default_rng(0), 4, 8)

@@ -51,7 +51,7 @@ def test_an_offload_run_resumes_with_its_checkpoints_structure_whatever_the_plan
   uninterrupted = train_in_process(tmp_path / "one", "--steps=4", *steps, *chosen)
   train_in_process(tmp_path / "two", "--steps=2", *steps, *chosen)
   capsys.readouterr()
-  train_in_process(tmp_path / "planned", "--steps=1", *steps, "--engine=offload")
+  train_in_process(tmp_path / "planned", "--steps=1", *steps, "--engine=offload", "--plan")  # a run's plan, no run
   assert "the last 2 layers one group" in capsys.readouterr().out  # what the plan chooses for this model now
   resumed = train_in_process(tmp_path / "two", "--steps=4", *steps)
   out = capsys.readouterr().out
