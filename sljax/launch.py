@@ -30,8 +30,7 @@ from sljax.lora.engine import lora_flops_per_token
 from sljax.lora.checkpoint import describe_base
 from sljax.lora.model import LoraModel
 from sljax.lora.plan import plan_lora
-from sljax.machines import GIB, MACHINES, PINNED_POOL_ENV, Budget, Machine, cap_pinned_pools, default_budget, \
-    reserve_gpu_memory, target_budget
+from sljax.machines import GIB, MACHINES, Budget, Machine, configure_process, default_budget, target_budget
 from sljax.mesh import check_batch, initialize_distributed, make_mesh, parse_mesh
 from sljax.optim import RECIPES, OptimConfig, learning_rate_schedule, make_optimizer, recipe_for
 from sljax.plan import make_plan, plan_batch
@@ -45,20 +44,9 @@ from sljax.steps import check_fits, fine_tuned, lora_engine, make_step, training
 def start(launch: LaunchConfig, cluster: ClusterConfig = ClusterConfig()):
   """Sets XLA's memory limits and joins the other processes of a multi-host run: call it before anything touches a
   device, in every process. ValueError or TimeoutError when that cannot be done."""
-  # The plan packs optimizer state into the device memory it is given: give XLA nearly all of each GPU (the benchmarks
-  # run at this value).
-  reserve_gpu_memory()
-  set_pinned_pool(launch)
+  configure_process(launch.host_memory_gib)  # as the CLIs and benchmarks: one rule (sljax.machines)
   initialize_distributed(cluster.coordinator_address, cluster.num_processes, cluster.process_id,
                          cluster.distributed_timeout_s)
-
-
-def set_pinned_pool(launch: LaunchConfig):
-  """Caps each GPU's pinned pool at its share of --host_memory_gib plus 10% (or of the default host budget), so that
-  host-resident state fits but the pools' growth cannot take the whole machine."""
-  if PINNED_POOL_ENV in os.environ:
-    return
-  cap_pinned_pools(launch.host_memory_gib * GIB * 1.1 if launch.host_memory_gib else None)
 
 
 # ---- the model and its recipe ------------------------------------------------------------------------------------
