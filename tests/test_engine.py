@@ -209,6 +209,7 @@ def test_tail_layers_out_of_range_is_refused():
     Engine(model, optax.sgd(1.0), EngineConfig(tail_layers=3))
 
 
+@pytest.mark.slow
 def test_init_equals_model_init():
   model, engine = tiny_engine(live_layers=2)
   key = jax.random.key(3)
@@ -222,7 +223,7 @@ def test_batch_not_divisible_by_sub_batches_is_refused():
     engine.step(state, make_batch(np.random.default_rng(0), 4, 8))
 
 
-@pytest.mark.parametrize("clip", [0.0, 0.5])
+@pytest.mark.parametrize("clip", [0.0, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_bytes_moved_per_step_match_the_schedule(clip):
   """Everything on the host: per step, each group's weights cross twice (the last group's once), its state once each
   way, and each group's input but the last group's is stashed and fetched back once (see Engine.step). Clipping
@@ -274,7 +275,7 @@ def test_int8_exchange_step_stays_close_to_exact():
   assert 0 < rel_error(results[1][1], results[0][1]) <= 1e-2  # measured: 2.4e-3
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("clip", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
 def test_non_finite_step_changes_nothing(clip):
   model, engine = shared_tiny_engine(sub_batches=2, live_layers=1, grad_clip_norm=clip, device_state_groups=1)
   state = engine.init(jax.random.key(0))
@@ -289,6 +290,7 @@ def test_non_finite_step_changes_nothing(clip):
 
 
 
+@pytest.mark.slow
 def test_a_clipped_step_holds_one_steps_parked_gradients_not_two():
   """The next step applies the parked updates as its forward goes: each parked gradient must be freed once its
   group's update ran, not held through the backward that parks the next ones (on the H200 that ran llama13b out of
@@ -314,7 +316,7 @@ def test_a_clipped_step_holds_one_steps_parked_gradients_not_two():
   assert max(peaks[1:]) - peaks[0] < parked / 2, (peaks, parked)  # measured: equal; holding them: + parked
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("clip", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
 def test_a_state_the_caller_drops_is_freed_whole(clip):
   """The engine keeps no reference to a state's buffers past their use: after `del state` no array of it is left in
   device or pinned host memory, so a state restored in the same process has the memory the dropped one had."""

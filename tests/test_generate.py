@@ -90,6 +90,7 @@ def test_sampling_and_stop_tokens_equal_the_on_device_loop():
     assert (got.tokens[row, length:] == -1).all()
 
 
+@pytest.mark.slow
 def test_a_batch_of_uneven_prompts_equals_each_prompt_alone():
   model, params, prompts = _setup("opt")
   sampling = SamplingConfig(max_new_tokens=4)
@@ -98,6 +99,7 @@ def test_a_batch_of_uneven_prompts_equals_each_prompt_alone():
     np.testing.assert_array_equal(generate_on_device(model, params, [prompt], sampling).tokens[0], batched[row])
 
 
+@pytest.mark.slow
 def test_init_equals_load_of_model_init():
   model, _, _ = _setup("opt")
   generator = OffloadedGenerator(model, OffloadConfig(live_layers=3, resident_layers=1))
@@ -430,6 +432,7 @@ def test_decoding_with_the_cache_on_the_device_runs_all_rows_in_one_call_per_gro
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_compressed_init_equals_compressed_load_of_model_init():
   model, _, _ = _setup("opt")
   generator = OffloadedGenerator(model, OffloadConfig(live_layers=2, resident_layers=1, streamed_bits=4,

@@ -12,25 +12,10 @@ from examples.own_model import GPT, GPTConfig, random_batch
 from sljax.generate import OffloadConfig, OffloadedGenerator, SamplingConfig, generate_on_device
 from sljax.generate_plan import generation_sizes, plan
 
-from helpers import flat
+from helpers import flat, reference_steps
 
 HUGE = sljax.Budget(device_bytes=1 << 50, host_bytes=1 << 50)
 MODEL = GPT(GPTConfig(vocab_size=64, hidden_size=32, num_heads=2, num_layers=3, max_positions=32))
-
-
-# Jitted once for both optimizers: op by op, the model's gradient compiles a kernel per operation and shape.
-_value_and_grad = jax.jit(jax.value_and_grad(MODEL.loss))
-
-
-def full_batch_steps(optimizer, params, batches):
-  """Plain training: jax.grad of the whole model on the whole batch, then optax."""
-  opt_state, losses = optimizer.init(params), []
-  for batch in batches:
-    loss, grads = _value_and_grad(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    losses.append(float(loss))
-  return losses, params
 
 
 def engine_steps(optimizer, params, batches, **engine_cfg):
@@ -56,7 +41,7 @@ def test_own_model_trains_as_plain_jax_grad_on_the_full_batch(setup):
   params = {"outer": outer, "layers": layers}
   split = dict(sub_batches=2, live_layers=2, activations_on_host=True, device_state_groups=1)
   # SGD with learning rate 1: params - update is the gradient, compared directly.
-  want_losses, want = full_batch_steps(optax.sgd(1.0), params, batches[:1])
+  want_losses, want = reference_steps(MODEL, optax.sgd(1.0), 0.0, params, batches[:1])  # plain jax.grad + optax
   got_losses, got = engine_steps(optax.sgd(1.0), params, batches[:1], **split)
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
   grads = lambda new: flat(params) - flat(new)
@@ -64,7 +49,7 @@ def test_own_model_trains_as_plain_jax_grad_on_the_full_batch(setup):
   # AdamW over 3 steps, elementwise: an eps of 1e-3 keeps the update Lipschitz in the gradient (|d update / d g| <=
   # lr / eps), so rounding-sized gradient differences stay rounding-sized in the params.
   adamw = optax.adamw(1e-2, eps=1e-3, weight_decay=0.1)
-  want_losses, want = full_batch_steps(adamw, params, batches)
+  want_losses, want = reference_steps(MODEL, adamw, 0.0, params, batches)
   got_losses, got = engine_steps(adamw, params, batches, **split)
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
   np.testing.assert_allclose(flat(got), flat(want), rtol=0, atol=1e-6)

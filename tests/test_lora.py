@@ -123,6 +123,7 @@ def test_engine_lora_steps_equal_plain_lora_steps_and_leave_the_base_alone(case)
     assert kinds == ({"device"} if engine.resident[g] else {HOST})
 
 
+@pytest.mark.slow
 def test_base_has_no_master_copy_and_runs_in_the_compute_dtype():
   """bf16 compute: the base's kernels are held in bf16 (what the layers run in), vectors as stored; the adapters
   are fp32; nothing else is kept."""
@@ -160,6 +161,7 @@ def test_merged_adapters_are_the_same_model():
                              with_adapters, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_merged_weights_read_group_by_group_are_the_merged_params():
   """What generate.py --lora_checkpoint loads: the base read one group at a time, each group's adapters merged; a
   run's random base (no Hugging Face files) is the engine's init_base."""
@@ -194,6 +196,7 @@ def test_bad_lora_config_is_refused(field, value):
     LoraConfig(**{field: value})
 
 
+@pytest.mark.slow
 def test_a_non_finite_step_changes_nothing():
   model = _model("opt", rank=2)
   engine = LoraEngine(model, optax.adamw(1e-2), LoraEngineConfig(sub_batches=2))
@@ -207,6 +210,7 @@ def test_a_non_finite_step_changes_nothing():
   jax.tree.map(np.testing.assert_array_equal, engine.adapters(state), before)
 
 
+@pytest.mark.slow
 def test_steps_after_the_first_compile_nothing():
   """A step's state comes back laid out as it went in, so the second step compiles nothing (it once compiled the
   update again: for llama70b's adapters on the GPU, a minute, and the device memory of a second update)."""
@@ -226,6 +230,7 @@ def test_steps_after_the_first_compile_nothing():
   assert compiles == []
 
 
+@pytest.mark.slow
 def test_a_step_waits_for_each_group_before_it_dispatches_past_the_next(monkeypatch):
   """The host stays one group ahead of the device: after each group's calls are issued, the previous group's are
   done (sljax.memory.InFlight waits), so the device never holds more groups' weights than the plan counts."""
@@ -309,6 +314,7 @@ def test_a_plan_for_a_gpu_keeps_its_margin_and_corrects_the_cpu_compiled_peak(mo
                                   / (H200.peak_flops * H200.layer_efficiency))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers_short", [0, 2])
 def test_live_bytes_after_every_dispatch_stay_within_the_plan(layers_short):
   """What the engine holds, per memory kind, after each of its calls and transfers over steady steps, against what

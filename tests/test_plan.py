@@ -225,6 +225,7 @@ def test_a_model_that_fits_with_room_to_spare_recomputes_nothing():
   assert Engine(model, optax.adamw(1e-3), plan.engine).groups == [(0, 3)]
 
 
+@pytest.mark.slow
 def test_the_tail_takes_only_the_device_memory_left_over():
   """The tail grows while every group's state stays on the device, to the longest that fits; where state must go
   to host memory, the memory goes to state and the last group keeps one layer."""
@@ -291,7 +292,7 @@ def _live_peaks(clip: float, resident: bool = False) -> tuple[dict, dict]:
   return peaks, planned
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("clip", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_live_pinned_host_bytes_after_every_dispatch_stay_within_the_plan(clip):
   """The replaced host buffers that wait RETIRE_LAG retirements to be freed included (sljax.schedule.
   retired_host_bytes): without them the plan fell short by half (+48% without clipping)."""
@@ -299,7 +300,7 @@ def test_live_pinned_host_bytes_after_every_dispatch_stay_within_the_plan(clip):
   assert 0.9 * planned["pinned_host"] <= peaks["pinned_host"] <= planned["pinned_host"], (peaks, planned)
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("clip", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_live_device_bytes_after_every_dispatch_stay_within_the_plan(clip):
   """With clipping, host groups' state is brought in STATE_LEAD groups ahead only while fewer than
   UPDATES_IN_FLIGHT are there: without that bound the device held 11% more than the plan."""
@@ -307,6 +308,7 @@ def test_live_device_bytes_after_every_dispatch_stay_within_the_plan(clip):
   assert peaks["device"] <= planned["device"], (peaks, planned)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_live_device_bytes_reach_the_plan_when_every_groups_state_is_on_the_device(clip):
   """The plan is what sizes the tail (its residuals take the memory left): counting what the step never holds makes
@@ -315,6 +317,7 @@ def test_live_device_bytes_reach_the_plan_when_every_groups_state_is_on_the_devi
   assert 0.9 * planned["device"] <= peaks["device"] <= planned["device"], (peaks, planned)
 
 
+@pytest.mark.slow
 def test_the_last_groups_call_runs_beside_no_parked_gradient():
   """What the plan takes away from the compiled peak and the parked gradients (planner.NEVER_TOGETHER, where the last
   group's call is the largest): as the last group's call is dispatched, the forward has applied and dropped every
@@ -341,6 +344,7 @@ def test_the_last_groups_call_runs_beside_no_parked_gradient():
   assert len(held) == 2 * n and max(held) <= planned["device"] - parked, (held, planned["device"], parked)
 
 
+@pytest.mark.slow
 def test_clipped_host_groups_on_the_device_at_once_stay_within_updates_in_flight():
   """Counts the host groups whose state (and parked gradient) has come to the device for an update that has not run
   yet, after every call and transfer of steady clipped steps (on CPU a state that has left frees its device copy at

@@ -40,3 +40,32 @@ def test_the_check_sees_each_way_of_importing_a_test_file(tmp_path):
     assert name.startswith(".") or name.split(".")[0] in TEST_MODULES | {"tests"}, source
   (tmp_path / "fine.py").write_text("import helpers\nfrom helpers import REPO\n")
   assert imported_modules(str(tmp_path / "fine.py")) == {"helpers"}
+
+
+# The fast tier (-m "not slow") keeps at least these: each module's core behaviour, on one small config.
+FAST_CORE = {
+    "test_engine.py": "test_one_sub_batch_one_group_is_the_models_own_bf16_step_bit_for_bit",  # fidelity
+    "test_plan.py": "test_live_device_bytes_after_every_dispatch_stay_within_the_plan",
+    "test_generate.py": "test_sampling_and_stop_tokens_equal_the_on_device_loop",
+    "test_lora.py": "test_plan_streams_what_the_device_cannot_hold_and_its_engine_runs",
+    "test_checkpoint.py": "test_round_trip_keeps_values_dtypes_shardings_and_meta",
+    "test_train.py": "test_a_run_shorter_than_the_warmup_trains",
+    "test_library.py": "test_own_model_trains_as_plain_jax_grad_on_the_full_batch",
+    "test_models.py": "test_causal",
+}
+
+
+def marked_slow(path: str) -> set[str]:
+  """The test functions of the file marked slow as a whole (not those with only some parameters marked)."""
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+          and any(ast.unparse(decorator) == "pytest.mark.slow" for decorator in node.decorator_list)}
+
+
+def test_the_fast_tier_keeps_each_modules_core_tests():
+  for name, test in FAST_CORE.items():
+    path = os.path.join(TESTS, name)
+    with open(path) as f:
+      assert f"def {test}(" in f.read(), (name, test)
+    assert test not in marked_slow(path), f"{name}::{test} is the fast tier's core test of its module"

@@ -134,6 +134,7 @@ def test_the_readme_commands_plan_for_a_target_gpu_made_on_cpu_is_the_gpus_own(c
   assert "27 group(s)" in placement[0] and device_parts == [gpu["device"]["parts"]], out
 
 
+@pytest.mark.slow
 def test_profile_writes_a_trace(tmp_path):
   # The resumed runs' schedule (a schedule is compiled into the step): their compiled step serves this run too.
   train_in_process(tmp_path, "--steps=3", "--decay_steps=6", "--profile")
