@@ -122,6 +122,15 @@ def test_plan_vs_peak_smoke_measures_each_planners_cli_against_its_plan(tmp_path
 
 
 @pytest.mark.slow
+def test_generate_py_run_smoke_runs_the_benchmarks_plan_through_the_cli(tmp_path):
+  result = smoke("generate_py_run", tmp_path)
+  assert has_provenance(result, "generate_py_run")
+  assert result["same_plan"] and result["cli_plan"].startswith("batch 4 = 2 sub-batches"), result["cli_plan"]
+  assert [batch["rows"] for batch in result["cli_batches"]] == [4, 4]  # 8 prompts: two batches of the plan's 4
+  assert result["cli_tokens_per_s_steady"] > 0 and result["benchmark_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
 def test_generate_throughput_smoke_streams_and_counts_the_bytes(tmp_path):
   result = smoke("generate_throughput", tmp_path, "--models=llama70b", "--streamed_bits=4", "--weight_group_size=8")
   assert has_provenance(result, "generate_throughput")
