@@ -11,6 +11,11 @@ one H200). One process: 3 steps, a save, 3 more steps (the uninterrupted run); t
 from the checkpoint and the same 3 steps run again; their losses must equal the uninterrupted ones. Host memory
 (RSS, sampled every 5 ms) above its level just before the save / restore is the staging; it must stay within the
 checkpointer's budget.
+
+The disk's own rates are measured in the same process and on the same filesystem once the checkpoint is gone: files of
+the checkpoint's own sizes, each fsynced as it is closed (as tensorstore's file driver does: file_io_sync), written
+and then read back; before every read (the restores' and this one) the files are dropped from the page cache, so that
+reads come from the disk, not from RAM.
 """
 
 import dataclasses
@@ -68,6 +73,48 @@ def _free_disk(path: str) -> int:
   return shutil.disk_usage(path).free
 
 
+def checkpoint_files(directory: str) -> list[str]:
+  return [os.path.join(d, f) for d, _, files in os.walk(directory) for f in files]
+
+
+def drop_from_page_cache(paths: list[str]):
+  """The kernel forgets the files' cached pages (written back first), so the next read comes from the disk."""
+  for path in paths:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+      os.close(fd)
+
+
+def disk_rates(directory: str, sizes: list[int], chunk: int = 64 * 2**20) -> dict:
+  """Sequential write (each file fsynced as it is closed) and read (from the disk, not the page cache) of files of
+  `sizes` bytes under `directory`: bytes/s of each, the files removed after."""
+  os.makedirs(directory, exist_ok=True)
+  block = np.random.default_rng(0).integers(0, 256, chunk, np.uint8).tobytes()  # incompressible, like float state
+  paths = [os.path.join(directory, f"file_{i:05d}") for i in range(len(sizes))]
+  start = time.perf_counter()
+  for path, size in zip(paths, sizes):
+    with open(path, "wb", buffering=0) as f:
+      for offset in range(0, size, chunk):
+        f.write(block[:min(chunk, size - offset)])
+      os.fsync(f.fileno())
+  write_seconds = time.perf_counter() - start
+  drop_from_page_cache(paths)
+  buffer = bytearray(chunk)
+  start = time.perf_counter()
+  for path in paths:
+    with open(path, "rb", buffering=0) as f:
+      while f.readinto(buffer):
+        pass
+  read_seconds = time.perf_counter() - start
+  shutil.rmtree(directory, ignore_errors=True)
+  total = sum(sizes)
+  return {"files": len(sizes), "bytes": total, "write_seconds": write_seconds, "read_seconds": read_seconds,
+          "write_bytes_per_s": total / write_seconds, "read_bytes_per_s": total / read_seconds}
+
+
 def engine_config(cfg) -> sljax.EngineConfig:
   layout = sljax.EngineConfig(sub_batches=4, live_layers=1, grad_clip_norm=1.0, tail_layers=FLAGS.tail_layers)
   return dataclasses.replace(layout, device_state_groups=len(layout.bounds(cfg.num_layers)) // 3)
@@ -117,11 +164,13 @@ def main(argv):
     save_seconds = time.perf_counter() - start
   gc.collect()
   after_save = resident_bytes()
-  on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(FLAGS.workdir) for f in files)
+  sizes = [os.path.getsize(path) for path in checkpoint_files(FLAGS.workdir)]
+  on_disk = sum(sizes)
   abstract = engine.abstract_state(jax.random.key(0))
   state, uninterrupted = steps(state, 3, 3)
   del state
   gc.collect()
+  drop_from_page_cache(checkpoint_files(FLAGS.workdir))
   with PeakResident(0.005) as restoring:
     start = time.perf_counter()
     step, state, meta = checkpointer.restore_latest(abstract)
@@ -132,10 +181,12 @@ def main(argv):
   # (GPU backward kernels may sum in a varying order), against how far the resumed run is from the uninterrupted one.
   del state
   gc.collect()
+  drop_from_page_cache(checkpoint_files(FLAGS.workdir))
   _, state, _ = checkpointer.restore_latest(abstract)
   state, resumed_again = steps(state, 3, 3)
   checkpointer.close()
   shutil.rmtree(FLAGS.workdir, ignore_errors=True)
+  disk = disk_rates(FLAGS.workdir + "_disk_rates", sizes)  # the checkpoint's files, on the same filesystem
 
   result = {
       **provenance(), "model": f"llama13b shapes, {cfg.num_layers} layers" if not FLAGS.smoke else "llama-tiny",
@@ -152,6 +203,11 @@ def main(argv):
                   "before_restore": restoring.start / GIB},
       "save_seconds": save_seconds, "restore_seconds": restore_seconds, "init_seconds": init_seconds,
       "save_gb_per_s": on_disk / save_seconds / 1e9, "restore_gb_per_s": on_disk / restore_seconds / 1e9,
+      "disk_write_gb_per_s": disk["write_bytes_per_s"] / 1e9, "disk_read_gb_per_s": disk["read_bytes_per_s"] / 1e9,
+      "save_fraction_of_disk": on_disk / save_seconds / disk["write_bytes_per_s"],
+      "restore_fraction_of_disk": on_disk / restore_seconds / disk["read_bytes_per_s"],
+      "disk_rates": {**disk, "policy": "the checkpoint's file sizes; each file fsynced as it is closed; reads after "
+                     "dropping the files from the page cache (as before each restore)"},
       "losses": {"steps_1_3": first_losses, "uninterrupted_4_6": uninterrupted, "after_restore_4_6": resumed,
                  "after_second_restore_4_6": resumed_again},
       "losses_equal": uninterrupted == resumed, "restored_step": step,

@@ -196,6 +196,10 @@ def test_checkpoint_scale_smoke_resumes_with_the_uninterrupted_losses(tmp_path):
   assert result["losses_equal"] and result["first_step_after_restore_equal"] and result["restored_step"] == 3
   assert result["engine"]["tail_layers"] == 2  # a tail group's state crosses the save and the restore too
   assert set(result["peak_host_extra_gib"]) == {"save", "restore"} and result["save_seconds"] > 0
+  # The disk's own rates, on the checkpoint's file sizes, beside the checkpointer's.
+  assert result["disk_rates"]["bytes"] == int(result["checkpoint_on_disk_gib"] * 2**30 + 0.5)
+  assert result["disk_write_gb_per_s"] > 0 and result["disk_read_gb_per_s"] > 0
+  assert result["save_fraction_of_disk"] == pytest.approx(result["save_gb_per_s"] / result["disk_write_gb_per_s"])
 
 
 @pytest.mark.slow
