@@ -286,8 +286,9 @@ def plan(model, prompt_len: int, new_tokens: int, device_budget: int, host_budge
 
   Knobs given (not None) are kept; the others are searched: the batch over powers of two up to max_batch and
   max_batch itself, the KV cache on the device or in pinned host memory, sub-batches over the batch's divisors, and
-  as many resident layers as fit. Of the layouts within 3% of the best estimate it takes the smallest batch, then the
-  cache on the device, then the fewest sub-batches. Compressed layers (`streamed_bits`, `resident_bits` < 16) count
+  as many resident layers as fit. It takes the smallest batch whose best layout is within 3% of the best estimate,
+  then, of that batch's layouts within 3% of its best, the cache on the device, then the fewest sub-batches: fixing
+  the batch a free search chose gives the same layout. Compressed layers (`streamed_bits`, `resident_bits` < 16) count
   their smaller bytes, so more of them fit on the device. target: plan for one GPU of that machine (its rates)
   instead of for this process's device (sljax.footprint.machine_for). Raises ValueError, with the GiB needed and
   available, when nothing fits. `model`: any models.common.GenerationModel, or a preset's ModelConfig (see
@@ -328,8 +329,13 @@ def plan(model, prompt_len: int, new_tokens: int, device_budget: int, host_budge
         f"sub-batches, {o.resident_layers} resident layers, KV cache {'on host' if o.kv_on_host else 'on device'}) "
         f"needs {held.device_bytes / GIB:.2f} GiB of device memory ({device_budget / GIB:.2f} available) and "
         f"{held.host_bytes / GIB:.2f} GiB of pinned host memory ({host_budget / GIB:.2f} available)")
+  # The batch first, then its layout, each within 3% of the best estimate: a run that fixes the batch (a benchmark,
+  # --batch) then gets the layout a free search chose for that batch.
   best = max(p.tokens_per_s for p in fitting)
-  return next(p for p in fitting if p.tokens_per_s >= 0.97 * best)
+  chosen = min(p.batch for p in fitting if p.tokens_per_s >= 0.97 * best)
+  at_batch = [p for p in fitting if p.batch == chosen]
+  best = max(p.tokens_per_s for p in at_batch)
+  return next(p for p in at_batch if p.tokens_per_s >= 0.97 * best)
 
 
 def memory_budgets(target: Machine | None = None) -> tuple[int, int]:
