@@ -17,7 +17,7 @@ from sljax.footprint import (COMPUTE_MARGIN, MARGIN, SCRATCH, SUB_BATCH_TOKENS, 
                              machine_for, margin_bytes, pass_copy_seconds, step_seconds)
 from sljax.machines import GIB, REFERENCE, Budget, Machine
 from sljax.memory import tree_bytes
-from sljax.schedule import (Engine, EngineConfig, group_bounds, in_flight_bytes, retired_host_bytes,
+from sljax.schedule import (Engine, EngineConfig, in_flight_bytes, retired_host_bytes,
                             state_on_device, step_peak_bytes)
 from sljax.sizes import model_sizes
 
@@ -55,7 +55,7 @@ class Plan:
   @property
   def bounds(self) -> list[tuple[int, int]]:
     """[start, stop) of each layer group, the tail included."""
-    return group_bounds(self.layers, self.engine.live_layers, self.engine.tail_layers)
+    return self.engine.bounds(self.layers)
 
   @property
   def groups(self) -> int:
@@ -143,7 +143,7 @@ def _call_peak(model, call: str, layers: int, sub_batch: int, seq_len: int, outp
 def _step_peaks(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> tuple[int, int]:
   """The compiled scratch of the per-sub-batch calls: the last group's (its own layers, residuals kept) and another
   group's backward (0 where the last group is the only one)."""
-  bounds = group_bounds(model.cfg.num_layers, cfg.live_layers, cfg.tail_layers)
+  bounds = cfg.bounds(model.cfg.num_layers)
   backward = _call_peak(model, "backward", cfg.live_layers, sub_batch, seq_len) if len(bounds) > 1 else 0
   return _call_peak(model, "last_group", bounds[-1][1] - bounds[-1][0], sub_batch, seq_len), backward
 
@@ -251,7 +251,7 @@ def _keeps_placement(plan: Plan, longer: Plan) -> bool:
 def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, optimizer, grad_clip_norm, fsdp, target,
             machine, kept_groups=None) -> Plan:
   """make_plan's placement for one tail (0: the last group is the last of the live_layers groups)."""
-  bounds = group_bounds(sizes.num_layers, live, tail)
+  bounds = EngineConfig(live_layers=live, tail_layers=tail).bounds(sizes.num_layers)
   groups, n = len(bounds), batch_size // sub_batch
   last_layers = bounds[-1][1] - bounds[-1][0]
   layer = sizes.layer_params

@@ -101,11 +101,6 @@ def state_on_device(groups: int, device_groups: int) -> list[bool]:
   return [g not in on_host for g in range(groups)]
 
 
-def group_bounds(num_layers: int, live_layers: int, tail_layers: int = 0) -> list[tuple[int, int]]:
-  """The bounds of an EngineConfig of these layers per group (EngineConfig.bounds), for sljax.plan."""
-  return EngineConfig(live_layers=live_layers, tail_layers=tail_layers).bounds(num_layers)
-
-
 def layout_of(group_layers: list[int]) -> tuple[int, int]:
   """(live_layers, tail_layers) whose `EngineConfig.bounds` are groups of these many layers, in order: the layout of
   engine state (a checkpoint's, say) from its groups' sizes. ValueError when no layout makes them."""
