@@ -30,9 +30,10 @@ define_flags("A tiny model on CPU: checks the code path in seconds.")
 flags.DEFINE_string("log", "", "Write the command's output here (default: the JSON's path with .log).")
 FLAGS = flags.FLAGS
 
-# The trainer's progress bar: "loss 11.426 | 2,053 tok/s | MFU 16.5%: ... 10/12 [...]" (metrics.progress_description)
-WINDOW = re.compile(r"loss (?P<loss>[\d.]+) \| (?P<tps>[\d,]+) tok/s \| MFU (?P<mfu>[\d.]+%|n/a):\s+\d+%\|[^|]*\| "
-                    r"(?P<step>\d+)/\d+")
+# The trainer's progress bar: "loss 11.426 | 2,053 tok/s | MFU 16.5%: ... 10/12 [...]", with " | eval 2.310" before
+# the colon once an --eval_every evaluation ran (metrics.progress_description)
+WINDOW = re.compile(r"loss (?P<loss>[\d.]+) \| (?P<tps>[\d,]+) tok/s \| MFU (?P<mfu>[\d.]+%|n/a)(?: \| eval [\d.]+)?:"
+                    r"\s+\d+%\|[^|]*\| (?P<step>\d+)/\d+")
 
 
 def windows(log: str) -> list[dict]:
@@ -105,6 +106,7 @@ def main(argv):
                             stdout=log_file, stderr=subprocess.STDOUT, check=False)
     seconds = time.perf_counter() - started
     rows = [json.loads(line) for line in open(loss_log)] if os.path.exists(loss_log) else []
+    rows = [row for row in rows if not row.get("eval")]  # --eval_every's lines hold eval_loss, not a step's loss
   log = open(log_path).read()
   result = summarize(command, log, [row["loss"] for row in sorted(rows, key=lambda row: row["step"])], seconds,
                      done.returncode)

@@ -186,12 +186,16 @@ def load_hf(path: str, **overrides) -> tuple[ModelConfig, Params]:
 
 
 def _tensors(cfg: ModelConfig, part: str, tree, first_layer: int = 0) -> dict[str, np.ndarray]:
-  """Hugging Face tensors of the outer params (part "outer") or of stacked layers first_layer.. (part "layers")."""
-  tensors = {}
-  for (module, leaf), value in traverse_util.flatten_dict(tree).items():
-    value = np.asarray(value)
+  """Hugging Face tensors of the outer params (part "outer") or of stacked layers first_layer.. (part "layers").
+  Each stacked leaf of `tree` is let go once its tensors are made (the caller holding no other reference, as
+  save_hf_shards does not): a shard is then in host memory once, with one leaf's transposed copy, not twice."""
+  tensors, flat = {}, traverse_util.flatten_dict(tree)
+  del tree
+  for module, leaf in list(flat):
+    value = np.asarray(flat.pop((module, leaf)))
     for i, tensor in [(None, value)] if part == "outer" else enumerate(value, first_layer):
       tensors[_hf_name(cfg.family, module, leaf, i)] = np.ascontiguousarray(tensor.T if leaf == "kernel" else tensor)
+    del value, tensor
   return tensors
 
 
@@ -225,5 +229,6 @@ def save_hf_shards(path: str, cfg: ModelConfig, reader, layers_per_shard: int):
     save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
     weight_map.update(dict.fromkeys(tensors, name))
     total += sum(x.nbytes for x in tensors.values())
+    del tensors  # before the next shard is read
   with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -1,34 +1,41 @@
-"""Orbax checkpoints of a training state (any pytree of jax arrays, device- or pinned-host-resident) plus JSON
-metadata, streamed through host memory a part at a time.
+"""Orbax checkpoints of a training state plus JSON metadata, streamed through host memory a part at a time.
 
 A step directory is an orbax `CheckpointManager` step with two items:
   meta/      JSON (orbax JsonCheckpointHandler)
-  state/     manifest.json: every array's name, pytree path, dtype, shape, part and CRC-32
-             part_00000/, part_00001/, ...: orbax PyTree checkpoints of consecutive arrays, each part at most a
-             quarter of the staging budget
+  state/     manifest.json: every array's name, path, dtype, shape, part and CRC-32
+             part_00000/, part_00001/, ...: orbax PyTree checkpoints of consecutive arrays
+
+What is saved is a `View` of the state: for the engines (sljax.checkpoint_layout) the model's master weights and
+optimizer state one layer at a time, whatever the layer groups, memory kinds or mesh that held them, so that any
+placement restores it; any other pytree (a LoRA run's adapters) is saved as it is.
 
 XLA's pinned host pool already holds the host-resident state, and orbax's own save stages every array through it at
 once (about twice the state in host memory). Here each part is copied into ordinary host memory, checked (finite,
-CRC-32) and written before the next one is read, so the extra host memory is bounded by `staging_bytes`, never by the
-state's size. Restore reads a part, verifies it and places each array straight into its target sharding (memory
-kind and mesh included, so a checkpoint restores onto another mesh) before reading the next.
+CRC-32) and written, PARTS_IN_FLIGHT parts at a time (part k+1 copied while part k is written), so the extra host
+memory is bounded by `staging_bytes`, never by the state's size. A restore reads a part (the next one while the last
+is placed), verifies it and places each array straight into its target sharding (memory kind and mesh included).
 """
 
+import collections
 import concurrent.futures
 import ctypes
 import ctypes.util
 import dataclasses
 import errno
+import functools
 import glob
 import json
 import os
 import shutil
 import zlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
 
 from sljax.memory import tree_bytes
@@ -36,12 +43,22 @@ from sljax.memory import tree_bytes
 GIB = 2**30
 STAGING_BYTES = 4 * GIB  # extra host memory a save or restore may use
 # A part in flight costs more host memory than its bytes: the copy out of device memory, orbax's own copy of what it
-# writes, and transfer buffers that the process keeps for the next save. A part is a quarter of the budget. Measured
-# on one H200 with 43 GiB of state (benchmarks/results/checkpoint_scale_h200.json): 1 GiB parts peaked at 5.2 GiB
+# writes, and transfer buffers that the process keeps for the next save. A part is a quarter of the budget shared by
+# the parts in flight (PARTS_IN_FLIGHT: one staged while the one before is written, or read while the one before is
+# placed): 512 MiB of 4 GiB. Measured before the parts were pipelined, on one H200 with 43 GiB of state
+# (benchmarks/results/checkpoint_scale_h200.json): 1 GiB parts, one at a time, peaked at 5.2 GiB
 # above the level before the save (3.4 GiB of it still held after the save, and reused by the next) and 2.1 GiB
 # during a restore; with 2 GiB parts 7.3 GiB (checkpoint_scale_2gib_parts_h200.json, state 46 GiB).
 PARTS_PER_BUDGET = 4
-FORMAT = 1  # manifest version
+PARTS_IN_FLIGHT = 2
+# Manifest versions. 2: an engine's state is saved per layer (sljax.checkpoint_layout). 1: as the engine held it in
+# memory (layer groups stacked, compute copies included); read for its params and for pytrees saved as they are,
+# not resumed by an engine (sljax.resume says so).
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
+FORMAT_1_REFUSED = ("checkpoint {where} is in sljax's checkpoint format 1, which held the engine's memory layout and "
+                    "which this sljax does not resume: finish that run with the sljax that wrote it, or start afresh "
+                    "in another --workdir")
 
 
 class CheckpointError(ValueError):
@@ -70,38 +87,123 @@ def abstract_like(state):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
+# ---- what a checkpoint holds of a state ------------------------------------------------------------------------------
+
+
+class Saved(NamedTuple):
+  """One array of a checkpoint and where a state holds it: the leaf `leaf` of a View's leaves, whole (layer None) or
+  the slice `layer` of its leading (layer) axis."""
+
+  path: tuple
+  leaf: int
+  layer: int | None = None
+
+
+@dataclasses.dataclass
+class View:
+  """A state as a checkpoint holds it. `leaves`: the state's arrays (a save) or, for a restore, ShapeDtypeStructs
+  with the shardings (memory kinds and mesh) to place them in. `arrays`: the checkpoint's arrays in the order they
+  are written, each taken from (placed into) its leaf; a path saved twice is written once, and a restore may place
+  one saved array into several leaves. `build(placed)`: the state from the restored leaves (None where no array
+  fills one). sljax.checkpoint_layout gives the engines' views; any other pytree is saved as it is (`view_of`)."""
+
+  leaves: list
+  arrays: list[Saved]
+  build: Callable[[list], Any]
+
+
+def view_of(tree) -> View:
+  """A pytree saved as it is: each leaf one array named by its pytree path."""
+  _, paths, leaves = _flatten(tree)
+  treedef = jax.tree.structure(tree)
+  return View(leaves, [Saved(tuple(path), i) for i, path in enumerate(paths)],
+              lambda placed: jax.tree.unflatten(treedef, placed))
+
+
+def _as_view(state) -> View:
+  return state if isinstance(state, View) else view_of(state)
+
+
+def saved_bytes(state) -> int:
+  """Bytes a checkpoint of `state` (a View or a pytree) holds."""
+  view, seen, total = _as_view(state), set(), 0
+  for array in view.arrays:
+    if array.path not in seen:
+      seen.add(array.path)
+      leaf = view.leaves[array.leaf]
+      total += tree_bytes(leaf) // (leaf.shape[0] if array.layer is not None else 1)
+  return total
+
+
+def _name(path) -> str:
+  return ".".join(map(str, path))
+
+
+def _array_shape(view: View, array: Saved) -> list[int]:
+  shape = list(view.leaves[array.leaf].shape)
+  return shape if array.layer is None else shape[1:]
+
+
+def _arrays(view: View) -> dict[str, str]:
+  """Each array's dtype[shape] in `view`, by dotted name."""
+  return {_name(array.path): f"{np.dtype(view.leaves[array.leaf].dtype).name}{_array_shape(view, array)}"
+          for array in view.arrays}
+
+
 # ---- the streamed state item ---------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
 class StateSave(ocp.args.CheckpointArgs):
-  state: Any
+  state: Any  # a View or a pytree of arrays
 
 
 @dataclasses.dataclass
 class StateRestore(ocp.args.CheckpointArgs):
-  target: Any  # arrays or ShapeDtypeStructs with shardings
+  target: Any  # a View or a pytree of arrays or ShapeDtypeStructs with shardings
+
+
+class _Run(NamedTuple):
+  """Arrays of a save taken from one leaf in one copy: consecutive layers of it, or the whole leaf."""
+
+  leaf: int
+  arrays: list[Saved]
+  nbytes: int
 
 
 class StateHandler(ocp.CheckpointHandler):
-  """Saves and restores a pytree of jax arrays part by part within `staging_bytes` of extra host memory."""
+  """Saves and restores a state (a View, or a pytree of jax arrays) part by part within `staging_bytes` of extra host
+  memory, PARTS_IN_FLIGHT parts at a time: a save copies part k+1 out of device or pinned memory and checks it while
+  part k is written; a restore reads part k+1 while part k is verified and placed."""
 
   def __init__(self, staging_bytes: int = STAGING_BYTES):
-    self.part_bytes = max(staging_bytes // PARTS_PER_BUDGET, 1)
+    self.part_bytes = max(staging_bytes // (PARTS_PER_BUDGET * PARTS_IN_FLIGHT), 1)
     self._parts = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))  # float state barely shrinks
 
   def save(self, directory: epath.Path, args: StateSave):
-    names, paths, leaves = _flatten(args.state)
+    view = _as_view(args.state)
     arrays, files = [], {}
-    for index, part in enumerate(_split(leaves, self.part_bytes)):
-      staged = _stage([names[i] for i in part], [leaves[i] for i in part])
-      self._write_part(directory, index, [x for x, _ in staged])
+
+    def write(index: int, staged: list):
+      self._write_part(directory, index, [value for _, value, _ in staged])
       files.update(_file_sizes(directory, _part_name(index)))
-      arrays += [{"name": names[i], "path": paths[i], "dtype": np.dtype(leaves[i].dtype).name,
-                  "shape": list(leaves[i].shape), "part": index, "crc32": crc}
-                 for i, (_, crc) in zip(part, staged)]
-      del staged  # freed before the next part is read
-      _return_freed_memory()
+      arrays.extend({"name": _name(array.path), "path": list(array.path), "dtype": np.dtype(value.dtype).name,
+                     "shape": list(value.shape), "part": index, "crc32": crc} for array, value, crc in staged)
+
+    # One writer: part k is written while this thread stages part k+1; it waits for part k before handing on k+1,
+    # so that PARTS_IN_FLIGHT parts are held at once. A failure anywhere ends the save (the writer finishes first).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as writer:
+      written = None
+      for index, part in enumerate(_pack(_runs(view, self.part_bytes), self.part_bytes)):
+        staged = _stage(view, part)
+        if written is not None:
+          written.result()
+        written = writer.submit(write, index, staged)
+        del staged
+        _return_freed_memory()
+      if written is not None:
+        written.result()
+    _return_freed_memory()
     if jax.process_index() == 0:
       (directory / "manifest.json").write_text(json.dumps({"format": FORMAT, "arrays": arrays, "files": files}))
 
@@ -109,13 +211,22 @@ class StateHandler(ocp.CheckpointHandler):
     self._parts.save(directory / _part_name(index), args=ocp.args.PyTreeSave(arrays))
 
   def restore(self, directory: epath.Path, args: StateRestore):
-    names, _, leaves = _flatten(args.target)
-    targets, placed = dict(zip(names, leaves)), {}
-    for entry, value in self._read_parts(directory):
-      target = targets[entry["name"]]
-      placed[entry["name"]] = jax.make_array_from_callback(
-          tuple(target.shape), target.sharding, lambda where, value=value: value[where])
-    return jax.tree.unflatten(jax.tree.structure(args.target), [placed[name] for name in names])
+    view = _as_view(args.target)
+    into = collections.defaultdict(list)
+    for array in view.arrays:
+      into[_name(array.path)].append(array)
+    assemblies = {array.leaf: _Assembly(view.leaves[array.leaf], self.part_bytes)
+                  for array in view.arrays if array.layer is not None}
+    placed = [None] * len(view.leaves)
+    for entry, value in self._read_parts(directory, lambda entry: entry["name"] in into):
+      for array in into[entry["name"]]:
+        target = view.leaves[array.leaf]
+        if array.layer is None:
+          placed[array.leaf] = _place(value.astype(target.dtype, copy=False), target)
+        elif assemblies[array.leaf].add(array.layer, value):
+          placed[array.leaf] = assemblies.pop(array.leaf).result()
+      del value
+    return view.build(placed)
 
   def read_arrays(self, directory: epath.Path, wanted=lambda path: True) -> dict[tuple, np.ndarray]:
     """{path: numpy array} of the saved arrays whose path `wanted` accepts, verified; host memory for them only."""
@@ -123,26 +234,36 @@ class StateHandler(ocp.CheckpointHandler):
             for entry, value in self._read_parts(directory, lambda entry: wanted(tuple(entry["path"])))}
 
   def _read_parts(self, directory: epath.Path, wanted=lambda entry: True):
-    """(manifest entry, verified numpy array) of each saved array `wanted` accepts, reading one part at a time and
-    skipping the parts that hold none of them."""
+    """(manifest entry, verified numpy array) of each saved array `wanted` accepts, a part at a time, skipping the
+    parts that hold none of them; part k+1 is read (and verified) while the caller takes part k's."""
     manifest = read_manifest(directory)
-    for index in sorted({entry["part"] for entry in manifest["arrays"]}):
-      entries = [entry for entry in manifest["arrays"] if entry["part"] == index]
-      if not any(map(wanted, entries)):
-        continue
-      part = _part_name(index)
+    by_part = collections.defaultdict(list)
+    for entry in manifest["arrays"]:
+      by_part[entry["part"]].append(entry)
+    indices = [index for index in sorted(by_part) if any(map(wanted, by_part[index]))]
+
+    def read(index: int) -> list[tuple[dict, np.ndarray]]:
+      entries, part = by_part[index], _part_name(index)
       # A file cut short or missing is found here, before orbax starts reading: orbax gives up on the first array it
       # cannot read while tensorstore still reads the others, whose completions then print tracebacks.
       _check_files(directory, part, manifest["files"])
       as_numpy = [ocp.RestoreArgs(restore_type=np.ndarray)] * len(entries)
       values = self._parts.restore(directory / part,
                                    args=ocp.args.PyTreeRestore(item=[0] * len(entries), restore_args=as_numpy))
-      for entry, value in zip(entries, values):
-        if wanted(entry):
-          _verify(entry, value)
-          yield entry, value
-      del values, value
-      _return_freed_memory()
+      kept = [(entry, value) for entry, value in zip(entries, values) if wanted(entry)]
+      for entry, value in kept:
+        _verify(entry, value)
+      return kept
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as reader:
+      ahead = reader.submit(read, indices[0]) if indices else None
+      for following in indices[1:] + [None]:
+        arrived, ahead = ahead, None if following is None else reader.submit(read, following)
+        part = arrived.result()
+        while part:
+          yield part.pop(0)
+        del arrived, part
+        _return_freed_memory()
 
   def metadata(self, directory: epath.Path):
     return read_manifest(directory)
@@ -153,6 +274,128 @@ class StateHandler(ocp.CheckpointHandler):
 
 ocp.args.register_with_handler(StateHandler, for_save=True)(StateSave)
 ocp.args.register_with_handler(StateHandler, for_restore=True)(StateRestore)
+
+
+def _runs(view: View, part_bytes: int) -> list[_Run]:
+  """The arrays of `view` (each path once) as runs of one leaf each: a leaf's consecutive layers together, those of a
+  device-resident leaf larger than a part in runs of at most a part (a pinned-host leaf is read whole anyway)."""
+  seen, runs = set(), []
+  for array in view.arrays:
+    if array.path in seen:
+      continue
+    seen.add(array.path)
+    leaf = view.leaves[array.leaf]
+    nbytes = tree_bytes(leaf) // (leaf.shape[0] if array.layer is not None else 1)
+    last = runs[-1] if runs else None
+    if (last is not None and last.leaf == array.leaf and array.layer is not None
+        and last.arrays[-1].layer == array.layer - 1
+        and (_on_host(leaf) or last.nbytes + nbytes <= part_bytes)):
+      runs[-1] = _Run(last.leaf, last.arrays + [array], last.nbytes + nbytes)
+    else:
+      runs.append(_Run(array.leaf, [array], nbytes))
+  return runs
+
+
+def _pack(runs: list[_Run], part_bytes: int) -> list[list[_Run]]:
+  """Consecutive runs, each part at most `part_bytes` (a larger run is a part of its own)."""
+  parts, current, size = [], [], 0
+  for run in runs:
+    if current and size + run.nbytes > part_bytes:
+      parts.append(current)
+      current, size = [], 0
+    current.append(run)
+    size += run.nbytes
+  return parts + [current] if current else parts
+
+
+def _on_host(x) -> bool:
+  """Whether `x` (a jax array or ShapeDtypeStruct) lives in host memory (pinned or not)."""
+  return getattr(getattr(x, "sharding", None), "memory_kind", None) not in (None, "device")
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _layers(x, start: int, stop: int):
+  return jax.lax.slice_in_dim(x, start, stop)
+
+
+def _stage(view: View, runs: list[_Run]) -> list[tuple[Saved, Any, int | None]]:
+  """(array, its value in ordinary host memory, CRC-32) of each array of `runs`, each run's leaf (or its layers)
+  copied once and split into layers in numpy, after checking that it is finite. A leaf that this process cannot
+  see whole (several hosts) goes to orbax as jax arrays, without a checksum."""
+
+  def one(run: _Run):
+    x, first, last = view.leaves[run.leaf], run.arrays[0].layer, run.arrays[-1].layer
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return [(array, x if array.layer is None else _layers(x, array.layer, array.layer + 1)[0], None)
+              for array in run.arrays]
+    whole = first is None or (first == 0 and last == x.shape[0] - 1) or _on_host(x)
+    if not whole:  # device slices of a leaf larger than a part, one run's at a time
+      x, base = _layers(x, first, last + 1), first
+    else:
+      base = 0
+      # jax keeps the host copy of a device array on the array it was read from (on the H200 a save left the
+      # device-resident state's size in host memory, benchmarks/results/checkpoint_scale_cached_host_copies_h200.json:
+      # 14.2 GiB above the level before the save): read a device array through a fresh copy of it on the device,
+      # which takes the cached host copy with it when dropped. Pinned-host arrays are read in place.
+      if isinstance(x, jax.Array) and not _on_host(x):
+        x = jax.device_put(x, x.sharding, may_alias=False)
+    value = np.asarray(x)
+    staged = []
+    for array in run.arrays:
+      part = value if array.layer is None else value[array.layer - base]
+      if np.issubdtype(part.dtype, np.inexact) and not np.isfinite(part).all():
+        raise _NonFinite(_name(array.path))
+      staged.append((array, part, _crc32(part)))
+    return staged
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(runs), os.cpu_count() or 1)) as pool:
+    return [item for staged in pool.map(one, runs) for item in staged]  # copies and checksums release the GIL
+
+
+def _place(value: np.ndarray, target):
+  """A host array placed straight into `target`'s sharding (memory kind and mesh)."""
+  return jax.make_array_from_callback(tuple(target.shape), target.sharding, lambda where: value[where])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _joined(chunks, sharding):
+  return jax.lax.with_sharding_constraint(jnp.concatenate(chunks), sharding)
+
+
+class _Assembly:
+  """A restored leaf stacked from its saved layers as they arrive, in host memory when it fits a part; a larger one
+  in chunks of about a part placed on the device as they complete, joined there (then moved to its memory kind)."""
+
+  def __init__(self, target, part_bytes: int):
+    self.target, self.layers = target, target.shape[0]
+    layer_bytes = max(tree_bytes(target) // max(self.layers, 1), 1)
+    self.chunk = self.layers if tree_bytes(target) <= part_bytes else max(part_bytes // layer_bytes, 1)
+    self.waiting, self.next, self.chunks = {}, 0, []
+
+  def add(self, layer: int, value: np.ndarray) -> bool:
+    """Takes a saved layer; True once every layer has come."""
+    self.waiting[layer] = value
+    while self.next < self.layers:
+      stop = min(self.next + self.chunk, self.layers)
+      if any(i not in self.waiting for i in range(self.next, stop)):
+        break
+      stacked = np.stack([self.waiting.pop(i) for i in range(self.next, stop)]).astype(self.target.dtype, copy=False)
+      if self.chunk == self.layers:
+        self.chunks.append(_place(stacked, self.target))
+      else:
+        sharding = self.target.sharding.with_memory_kind("device")
+        self.chunks.append(_place(stacked, jax.ShapeDtypeStruct(stacked.shape, stacked.dtype, sharding=sharding)))
+      del stacked
+      self.next = stop
+    return self.next == self.layers
+
+  def result(self):
+    if len(self.chunks) == 1:
+      return self.chunks[0]
+    sharding = self.target.sharding
+    joined = _joined(tuple(self.chunks), sharding.with_memory_kind("device"))
+    self.chunks = []
+    return joined if not _on_host(self.target) else jax.device_put(joined, sharding)
 
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
@@ -187,7 +430,8 @@ def _part_name(index: int) -> str:
   return f"part_{index:05d}"
 
 
-def _key(entry) -> str | int:
+def path_key(entry) -> str | int:
+  """A pytree path entry as a plain key: a dict key, an attribute name or a sequence index."""
   for attribute in ("key", "idx", "name"):
     if hasattr(entry, attribute):
       return getattr(entry, attribute)
@@ -197,47 +441,12 @@ def _key(entry) -> str | int:
 def _flatten(tree) -> tuple[list[str], list[list], list]:
   """(dotted names, paths as lists of keys, leaves) in pytree order."""
   with_paths = jax.tree_util.tree_flatten_with_path(tree)[0]
-  paths = [[_key(entry) for entry in path] for path, _ in with_paths]
+  paths = [[path_key(entry) for entry in path] for path, _ in with_paths]
   return [".".join(map(str, path)) for path in paths], paths, [leaf for _, leaf in with_paths]
-
-
-def _split(leaves: list, part_bytes: int) -> list[list[int]]:
-  """Consecutive leaf indices, each run at most `part_bytes` (a larger leaf is a part of its own)."""
-  parts, current, size = [], [], 0
-  for i, x in enumerate(leaves):
-    nbytes = tree_bytes(x)
-    if current and size + nbytes > part_bytes:
-      parts.append(current)
-      current, size = [], 0
-    current.append(i)
-    size += nbytes
-  return parts + [current] if current else parts
 
 
 def _crc32(value: np.ndarray) -> int:
   return zlib.crc32(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
-
-
-def _stage(names: list[str], leaves: list) -> list[tuple[Any, int | None]]:
-  """Each leaf copied into ordinary host memory with its CRC-32, after checking that it is finite. A leaf that this
-  process cannot see whole (several hosts) goes to orbax as it is, one part at a time, without a checksum."""
-
-  def one(name, x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return x, None
-    # jax keeps the host copy of a device array on the array it was read from (on the H200 a save left the
-    # device-resident state's size in host memory, benchmarks/results/checkpoint_scale_cached_host_copies_h200.json:
-    # 14.2 GiB above the level before the save): read a device array through a fresh copy of it on the device,
-    # which takes the cached host copy with it when dropped. Pinned-host arrays are read in place.
-    if x.sharding.memory_kind == "device":
-      x = jax.device_put(x, x.sharding, may_alias=False)
-    value = np.asarray(x)
-    if np.issubdtype(value.dtype, np.inexact) and not np.isfinite(value).all():
-      raise _NonFinite(name)
-    return value, _crc32(value)
-
-  with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(leaves), os.cpu_count() or 1)) as pool:
-    return list(pool.map(one, names, leaves))  # copies, checks and checksums release the GIL
 
 
 class _NonFinite(Exception):
@@ -261,8 +470,9 @@ def read_manifest(directory: epath.Path | str) -> dict:
   if not path.exists():
     raise _Garbled("no manifest.json: not an sljax checkpoint of this format (written before checksums?)")
   manifest = json.loads(path.read_text())
-  if manifest.get("format") != FORMAT:
-    raise _Garbled(f"manifest format {manifest.get('format')}, this sljax reads {FORMAT}")
+  if manifest.get("format") not in READABLE_FORMATS:
+    readable = " and ".join(map(str, READABLE_FORMATS))
+    raise _Garbled(f"manifest format {manifest.get('format')}, this sljax reads {readable}")
   return manifest
 
 
@@ -270,7 +480,8 @@ def read_manifest(directory: epath.Path | str) -> dict:
 
 
 class Checkpointer:
-  """Saves every `save_every` steps into `directory` (0: never), keeps the newest `keep`, restores the latest.
+  """Saves every `save_every` steps into `directory` (0: only when forced), keeps the newest `keep`, restores the
+  latest.
 
   Saves are synchronous and streamed (see the module docstring): the state is read part by part while the step
   loop waits, with at most `staging_bytes` of extra host memory; when `save` returns the checkpoint is complete.
@@ -287,9 +498,10 @@ class Checkpointer:
     return bool(self.save_every) and step % self.save_every == 0
 
   def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
-    """Saves when `step` is due (or `force`, unless saving is off) and not saved yet; returns whether it did. Raises CheckpointWriteError,
-    leaving no partial directory, when the disk fills or a value of `state` is not finite."""
-    if not self.save_every or (not force and not self.due(step)) or step == self.manager.latest_step():
+    """Saves when `step` is due (or `force`: the trainer's saves by time and at the end) and not saved yet; returns
+    whether it did. Raises CheckpointWriteError, leaving no partial directory, when the disk fills or a value of
+    `state` is not finite."""
+    if (not force and not self.due(step)) or step == self.manager.latest_step():
       return False
     args = ocp.args.Composite(state=StateSave(state), meta=ocp.args.JsonSave(meta))
     try:
@@ -315,13 +527,14 @@ class Checkpointer:
     full = getattr(cause, "errno", None) == errno.ENOSPC or "No space left" in str(cause)
     why = "the disk is full" if full else _first_sentence(cause)
     return (f"saving step {step} to {self.directory} failed: {why} ({free / 1e9:.1f} GB free there, a checkpoint "
-            f"takes {tree_bytes(state) / 1e9:.1f} GB); nothing partial was left, newest checkpoint {kept}")
+            f"takes {saved_bytes(state) / 1e9:.1f} GB); nothing partial was left, newest checkpoint {kept}")
 
   def restore_latest(self, abstract_state) -> tuple[int, object, dict] | None:
     """(step, state, meta) of the newest checkpoint, laid out as `abstract_state` says; None when there is none.
 
-    `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with shardings (see `abstract_like`) or of arrays; the
-    arrays are placed into those shardings whatever layout they were saved from. Raises CheckpointMismatchError when
+    `abstract_state` is a View (an engine's, sljax.checkpoint_layout) or a pytree of `jax.ShapeDtypeStruct` with
+    shardings (see `abstract_like`) or of arrays; the arrays are placed into those shardings whatever layout they
+    were saved from (an optimizer state's floats cast to the dtype asked for). Raises CheckpointMismatchError when
     the checkpoint holds other arrays (names, shapes, dtypes), CheckpointCorruptError when it cannot be read or a
     checksum fails. A save interrupted mid-write is never the newest: orbax writes into a temporary directory and
     renames it when done.
@@ -335,9 +548,16 @@ class Checkpointer:
       saved = {entry["name"]: f"{entry['dtype']}{entry['shape']}" for entry in stored["arrays"]}
     except Exception as error:
       raise CheckpointCorruptError(_unreadable(where, error)) from None
-    difference = _first_difference(saved, _arrays(abstract_state))
+    wanted = _arrays(_as_view(abstract_state))
+    difference = _first_difference(saved, wanted)
+    if difference and stored["format"] == 1 and isinstance(abstract_state, View):
+      raise CheckpointMismatchError(FORMAT_1_REFUSED.format(where=where))
     if difference:
       raise CheckpointMismatchError(f"checkpoint {where} holds another training state than this run's: {difference}")
+    cast = sorted({f"{saved[name].split('[')[0]} -> {wanted[name].split('[')[0]}" for name in wanted
+                   if saved[name] != wanted[name]})
+    if cast:
+      logging.warning("checkpoint %s: optimizer state cast %s, as this run keeps it", where, ", ".join(cast))
     args = ocp.args.Composite(state=StateRestore(abstract_state), meta=ocp.args.JsonRestore())
     try:
       restored = self.manager.restore(step, args=args)
@@ -385,15 +605,20 @@ def _unreadable(where: str, error: Exception) -> str:
           f"one before")
 
 
-def _arrays(tree) -> dict[str, str]:
-  """Each array's dtype[shape] in `tree` (arrays or ShapeDtypeStructs), by dotted name."""
-  names, _, leaves = _flatten(tree)
-  return {name: f"{np.dtype(x.dtype).name}{list(x.shape)}" for name, x in zip(names, leaves)}
+def _castable(name: str, saved: str | None, wanted: str | None) -> bool:
+  """Whether an optimizer state's array differs only in its float dtype (a bf16 or fp32 first moment)."""
+  if saved is None or wanted is None or not name.startswith(("outer_opt.", "layers_opt.")):
+    return False
+  (saved_dtype, saved_shape), (wanted_dtype, wanted_shape) = (text.split("[", 1) for text in (saved, wanted))
+  floats = all(jnp.issubdtype(jnp.dtype(dtype), jnp.floating) for dtype in (saved_dtype, wanted_dtype))
+  return floats and saved_shape == wanted_shape
 
 
 def _first_difference(saved: dict[str, str], wanted: dict[str, str]) -> str:
-  """How many arrays differ and how the first of them does; empty when none does."""
-  differ = sorted(name for name in saved.keys() | wanted.keys() if saved.get(name) != wanted.get(name))
+  """How many arrays differ and how the first of them does; empty when none does (an optimizer state's floats in
+  another float dtype do not: a restore casts them)."""
+  differ = sorted(name for name in saved.keys() | wanted.keys()
+                  if saved.get(name) != wanted.get(name) and not _castable(name, saved.get(name), wanted.get(name)))
   if not differ:
     return ""
   name = differ[0]
@@ -421,27 +646,15 @@ def newest_checkpoint(directory: str) -> tuple[str, dict]:
     raise CheckpointCorruptError(_unreadable(step_dir, error)) from None
 
 
-class SavedGroups(NamedTuple):
-  """The layer groups of an offload engine's checkpoint, from its manifest."""
-
-  step_dir: str
-  layers: list[int]  # per group: its stacked master weights' leading axis
-  host: list[bool]  # per group: holds a compute copy ("weights"), as a group whose state lives in host memory does
-
-
-def saved_groups(directory: str) -> SavedGroups | None:
-  """The newest checkpoint's layer groups under `directory` when it holds the offload engine's state; None when
-  there is no readable one."""
+def saved_format(directory: str) -> tuple[str, int, set] | None:
+  """(step directory, manifest format, the state's top-level keys) of the newest checkpoint under `directory`; None
+  when there is no readable one (the trainer says why it cannot resume from it)."""
   try:
     step_dir = newest_checkpoint(directory)[0]
-    arrays = read_manifest(os.path.join(step_dir, "state"))["arrays"]
+    manifest = read_manifest(os.path.join(step_dir, "state"))
   except (ValueError, _Garbled, OSError):
-    return None  # the trainer says why it cannot resume from it
-  groups = [entry for entry in arrays if entry["path"][0] == "groups"]
-  layers = {entry["path"][1]: entry["shape"][0] for entry in groups if entry["path"][2] == "master"}
-  copies = {entry["path"][1] for entry in groups if entry["path"][2] == "weights"}
-  return SavedGroups(step_dir, [layers[g] for g in sorted(layers)], [g in copies for g in sorted(layers)]) if (
-      layers) else None
+    return None
+  return step_dir, manifest["format"], {entry["path"][0] for entry in manifest["arrays"]}
 
 
 def read_arrays(step_dir: str, wanted=lambda path: True) -> dict[tuple, np.ndarray]:
@@ -455,22 +668,85 @@ def read_arrays(step_dir: str, wanted=lambda path: True) -> dict[tuple, np.ndarr
     handler.close()
 
 
-def restore_params(directory: str) -> dict:
-  """Model params of the newest checkpoint under `directory`, without the optimizer state, as host numpy arrays
-  {"outer", "layers"}. Reads both training states: the all-on-device one ({"params", "opt_state"}) and the offload
-  engine's ({"outer", "groups": [{"master", ...}, ...]})."""
-  step_dir = newest_checkpoint(directory)[0]
+class SavedParams:
+  """One checkpoint's model params as a reader (models.common.params_reader's contract): `meta`, `num_layers`,
+  outer() and layers(start, stop), stacked host numpy arrays as the run saved them, each call reading only the parts
+  of the training state that hold what it returns and keeping of each part only that. From read_params."""
+
+  def __init__(self, step_dir: str, meta: dict, num_layers: int, group_layers: list[int] | None,
+               per_layer: bool = False):
+    self.step_dir, self.meta, self.num_layers = step_dir, meta, num_layers
+    # Format 1: None, the device engine's state, {"params": {"outer", "layers"}}; else the offload engine's,
+    # {"outer", "groups": [{"master": group g's group_layers[g] layers stacked, ...}, ...]}.
+    self._groups = group_layers
+    self._per_layer = per_layer  # format 2 (sljax.checkpoint_layout): ("outer", ...), ("layers", i, ...)
+
+  def outer(self) -> dict:
+    top = ("outer",) if self._groups or self._per_layer else ("params", "outer")
+    return self._read(lambda path: (path[len(top):], 0, slice(None)) if path[:len(top)] == top else None)
+
+  def layers(self, start: int, stop: int) -> dict:
+    if not 0 <= start < stop <= self.num_layers:
+      raise ValueError(f"layers {start}..{stop} are outside the checkpoint's {self.num_layers}")
+    if self._per_layer:  # each layer's arrays, given their layer axis back
+      return self._read(lambda path: (path[2:], path[1], np.newaxis) if path[0] == "layers" and start <= path[1] < stop
+                        else None)
+    if self._groups is None:
+      return self._read(lambda path: (path[2:], 0, slice(start, stop)) if path[:2] == ("params", "layers") else None)
+    firsts = np.cumsum([0, *self._groups])
+
+    def cut(path):
+      if path[0] != "groups" or path[2] != "master" or not start - self._groups[path[1]] < firsts[path[1]] < stop:
+        return None
+      return path[3:], path[1], slice(max(start - firsts[path[1]], 0), stop - firsts[path[1]])
+
+    return self._read(cut)
+
+  def _read(self, cut) -> dict:
+    """The saved arrays that cut(path) -> (leaf path, order, slice along the layers) keeps (None: not read), each
+    cut as its part is read, a leaf's pieces joined in their order."""
+    pieces, handler = {}, StateHandler()
+    try:
+      for entry, value in handler._read_parts(epath.Path(self.step_dir) / "state",
+                                              lambda entry: cut(tuple(entry["path"])) is not None):
+        leaf, order, where = cut(tuple(entry["path"]))
+        piece = value[where]
+        # A slice of a larger array is copied, so that the array can go; a whole one (or a view adding an axis) is kept.
+        pieces.setdefault(leaf, []).append((order, piece if piece.size == value.size else piece.copy()))
+    except Exception as error:
+      raise CheckpointCorruptError(_unreadable(self.step_dir, error)) from None
+    finally:
+      handler.close()
+    return _nest({leaf: np.concatenate([x for _, x in sorted(parts, key=lambda p: p[0])]) if len(parts) > 1
+                  else parts[0][1] for leaf, parts in pieces.items()})
+
+
+def read_params(directory: str) -> SavedParams:
+  """The newest checkpoint's model params under `directory` (a run's workdir or its checkpoints/) as a reader; only
+  its metadata and manifest are read here. ValueError (one line) when there is none or it holds no model params."""
+  step_dir, meta = newest_checkpoint(directory)
   try:
-    tops = {entry["path"][0] for entry in read_manifest(os.path.join(step_dir, "state"))["arrays"]}
+    paths = [(entry["path"], entry["shape"]) for entry in read_manifest(os.path.join(step_dir, "state"))["arrays"]]
   except Exception as error:
     raise CheckpointCorruptError(_unreadable(step_dir, error)) from None
-  if "params" in tops:
-    return _nest(read_arrays(step_dir, lambda path: path[0] == "params"))["params"]
-  if "groups" not in tops:
-    raise ValueError(f"{step_dir} holds no model parameters sljax knows (keys: {', '.join(map(str, sorted(tops)))})")
-  arrays = _nest(read_arrays(step_dir, lambda path: path[0] == "outer" or path[2:3] == ("master",)))
-  groups = [arrays["groups"][g]["master"] for g in sorted(arrays["groups"])]
-  return {"outer": arrays["outer"], "layers": jax.tree.map(lambda *parts: np.concatenate(parts), *groups)}
+  per_layer = [path[1] for path, _ in paths if path[0] == "layers"]
+  if per_layer:
+    return SavedParams(step_dir, meta, max(per_layer) + 1, None, per_layer=True)
+  stacked = [shape[0] for path, shape in paths if path[:2] == ["params", "layers"]]
+  masters = {path[1]: shape[0] for path, shape in paths if path[0] == "groups" and path[2] == "master"}
+  if stacked:
+    return SavedParams(step_dir, meta, stacked[0], None)
+  if masters:
+    return SavedParams(step_dir, meta, sum(masters.values()), [masters[g] for g in sorted(masters)])
+  tops = sorted({str(path[0]) for path, _ in paths})
+  raise ValueError(f"{step_dir} holds no model parameters sljax knows (keys: {', '.join(tops)})")
+
+
+def restore_params(directory: str) -> dict:
+  """Model params of the newest checkpoint under `directory`, without the optimizer state, as host numpy arrays
+  {"outer", "layers"} (the layers stacked): of either format and engine (read_params)."""
+  reader = read_params(directory)
+  return {"outer": reader.outer(), "layers": reader.layers(0, reader.num_layers)}
 
 
 def _nest(flat: dict[tuple, np.ndarray]) -> dict:

@@ -18,8 +18,11 @@ import typing
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from models.config import ModelConfig
+from models.config import ModelConfig, saved_model_config
+from models.common import params_reader
 from models.hf import HFWeights
 from models.presets import build, get_config, parse_overrides
 from sljax.checkpoint import newest_checkpoint, restore_params
@@ -105,11 +108,13 @@ def model_config(request: GenerateConfig) -> ModelConfig:
       raise ValueError(f"give --model or --{source} ({names}), not both")
   overrides = parse_overrides(request.overrides)
   if request.lora_checkpoint:
-    return ModelConfig(**{**open_checkpoint(request.lora_checkpoint).meta["model_config"], **overrides})
+    return saved_model_config(open_checkpoint(request.lora_checkpoint).meta["model_config"], overrides,
+                              f"--lora_checkpoint {request.lora_checkpoint}")
   if request.hf_dir:
     return HFWeights(request.hf_dir, **overrides).cfg  # reads config.json and the files' headers, no tensor
   if request.checkpoint:
-    return ModelConfig(**{**read_checkpoint(request.checkpoint)[0]["model_config"], **overrides})
+    return saved_model_config(read_checkpoint(request.checkpoint)[0]["model_config"], overrides,
+                              f"--checkpoint {request.checkpoint}")
   return get_config(request.model or DEFAULT_MODEL, overrides)
 
 
@@ -139,6 +144,46 @@ def codec(path: str | None):
 
   model = tokenizers.Tokenizer.from_file(path)
   return lambda text: model.encode(text).ids, model.decode, vocab_size
+
+
+def check_layers_and_tokens(request: GenerateConfig, sampling: SamplingConfig, cfg: ModelConfig):
+  """ValueError (one line) when --live_layers or --resident_layers count more layers than the model has, or a
+  --stop_token is no token of its vocabulary (it would never stop a row)."""
+  too_many = [f"--{name}={getattr(request, name)}" for name in ("live_layers", "resident_layers")
+              if getattr(request, name) > cfg.num_layers]
+  if too_many:
+    raise ValueError(f"{' and '.join(too_many)}: more than the model's {cfg.num_layers} layers")
+  outside = [token for token in sampling.stop_tokens if not 0 <= token < cfg.vocab_size]
+  if outside:
+    raise ValueError(f"--stop_token {', '.join(map(str, outside))}: outside the model's vocabulary "
+                     f"0..{cfg.vocab_size - 1}")
+
+
+class NonFiniteWeights(ValueError):
+  """The weights hold a NaN or an infinity: every logit would be NaN, and greedy decoding token 0."""
+
+
+class FiniteWeights:
+  """A weights reader (outer(), layers(start, stop)) that checks each part as it is read: NonFiniteWeights, naming
+  the array, on a NaN or an infinity, before any of it is placed."""
+
+  def __init__(self, reader, source: str):
+    self.reader, self.source = reader, source
+
+  def _checked(self, tree, part: str):
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      x = np.asarray(x)
+      if jnp.issubdtype(x.dtype, jnp.floating) and not np.isfinite(x).all():  # bfloat16's kind is "V"
+        raise NonFiniteWeights(f"{self.source} holds a non-finite weight ({x.flat[np.argmin(np.isfinite(x))]}) in "
+                               f"{part}, {jax.tree_util.keystr(path)}: refusing to generate from it")
+    return tree
+
+  def outer(self):
+    return self._checked(self.reader.outer(), "the embeddings and head")
+
+  def layers(self, start: int, stop: int):
+    return self._checked(self.reader.layers(start, stop),
+                         f"layers {start}-{stop - 1}" if stop - start > 1 else f"layer {start}")
 
 
 def read_prompts(path: str) -> list[str]:
@@ -173,18 +218,22 @@ def open_weights(request: GenerateConfig, cfg: ModelConfig):
     checkpoint = open_checkpoint(request.lora_checkpoint)
     # Merged in the run's param dtype (the group being read is all that is ever in host RAM), then cast by the load.
     base = base_weights(checkpoint, cfg, request.hf_dir)
-    return MergedWeights(base, checkpoint.lora, read_adapters(checkpoint))
+    return FiniteWeights(MergedWeights(base, checkpoint.lora, read_adapters(checkpoint)),
+                         f"--lora_checkpoint {request.lora_checkpoint}")
   if request.hf_dir:
     # Read in the compute dtype, one layer group at a time straight to its home (device or pinned host): a bf16
     # 70B model is 138 GB, more than the host RAM of many GPU machines.
-    return HFWeights(request.hf_dir, **{**parse_overrides(request.overrides), "param_dtype": cfg.dtype})
-  return read_checkpoint(request.checkpoint, params=True)[1]
+    return FiniteWeights(HFWeights(request.hf_dir, **{**parse_overrides(request.overrides), "param_dtype": cfg.dtype}),
+                         f"--hf_dir {request.hf_dir}")
+  return FiniteWeights(params_reader(read_checkpoint(request.checkpoint, params=True)[1]),
+                       f"--checkpoint {request.checkpoint}")
 
 
 def prepare(request: GenerateConfig, sampling: SamplingConfig) -> Generation:
   """Checks the request and plans it; with --plan prints the plan. ValueError (one line) on anything wrong with it,
   before any weight is read onto a device."""
   cfg = model_config(request)
+  check_layers_and_tokens(request, sampling, cfg)
   encode, decode, vocab_size = codec(request.tokenizer)
   if vocab_size > cfg.vocab_size:
     raise ValueError(f"tokenizer {request.tokenizer or 'bytes'} has {vocab_size} tokens, more than the model's "

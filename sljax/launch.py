@@ -1,7 +1,7 @@
 """From a training request to a running loop: the model and its recipe, the step (the all-on-device one or the
 offload engine) and its plan, the budgets and XLA's pinned pools. train.py is these functions behind flags; called
 from Python with the same configs they make the same decisions and print the same lines (generate.py's room is
-sljax.generate_launch). The request's types are sljax.request's, what a resumed checkpoint fixes sljax.resume's, the
+sljax.generate_launch). The request's types are sljax.request's, what a resumed checkpoint asks sljax.resume's, the
 steps sljax.steps'.
 
   request = Request(LaunchConfig(model="llama13b"), RunConfig(steps=40), optim={"grad_clip_norm": 0})
@@ -25,17 +25,17 @@ from models.config import ModelConfig
 from models.hf import HFWeights
 from models.presets import build, get_config, parse_overrides
 from sljax import metrics, trainer
-from sljax.data import DataConfig, Source, make_source
+from sljax.data import DataConfig, make_source
 from sljax.lora.engine import lora_flops_per_token
 from sljax.lora.checkpoint import describe_base
 from sljax.lora.model import LoraModel
 from sljax.lora.plan import plan_lora
 from sljax.machines import GIB, MACHINES, Budget, Machine, configure_process, default_budget, target_budget
 from sljax.mesh import check_batch, initialize_distributed, make_mesh, parse_mesh
-from sljax.optim import RECIPES, OptimConfig, learning_rate_schedule, make_optimizer, recipe_for
+from sljax.optim import RECIPES, OptimConfig, learning_rate_schedule, make_optimizer, recipe_for, run_decay_steps
 from sljax.plan import make_plan, plan_batch
 from sljax.request import FINE_TUNING_LEARNING_RATE, ClusterConfig, Configs, Job, LaunchConfig, Request
-from sljax.resume import check_lora_resume, lora_meta, resumed_engine_state
+from sljax.resume import check_lora_resume, check_resumable, lora_meta, resumed_moments
 from sljax.steps import check_fits, fine_tuned, lora_engine, make_step, training_state_bytes
 
 
@@ -82,19 +82,16 @@ def resolve(request: Request) -> Configs:
   batch_size = DataConfig.batch_size if batch_planned(request, model_cfg) else data.get("batch_size", recipe.batch_size)
   data_cfg = DataConfig(**{**data, "seq_len": data.get("seq_len", recipe.seq_len), "batch_size": batch_size})
   warmup = optim.get("warmup_steps", recipe.optim.warmup_steps)
-  # Warmup takes at most half of a run: Adam's first updates move every weight by about the rate, all in the
-  # gradient's sign, so a short run that reaches the peak within a few steps diverges at full width.
-  if "warmup_steps" not in optim and "decay_steps" not in optim and steps < 2 * warmup:
-    warmup = steps // 2
-    print(f"note: --steps={steps} is shorter than twice the recipe's {recipe.optim.warmup_steps} warmup steps: "
-          f"warming up over {warmup} (half the run) and decaying over the {steps} (--warmup_steps, "
-          f"--decay_steps set them)")
   lora_rate = request.lora is not None and "learning_rate" not in optim
+  peak = FINE_TUNING_LEARNING_RATE if lora_rate else optim.get("learning_rate", recipe.optim.learning_rate)
+  decay, note = run_decay_steps(steps, warmup, peak)  # a short run never reaches the peak (sljax.optim)
+  if note and "decay_steps" not in optim:
+    print(note)
   if lora_rate:
     print(f"note: LoRA fine-tunes at a peak learning rate of {FINE_TUNING_LEARNING_RATE:g}, not the recipe's "
           f"{recipe.optim.learning_rate:g}, which trains every weight from scratch (--learning_rate sets it)")
   optim_cfg = dataclasses.replace(recipe.optim, **{**optim, "warmup_steps": warmup,
-                                                   "decay_steps": optim.get("decay_steps", steps)},
+                                                   "decay_steps": optim.get("decay_steps", decay)},
                                   **({"learning_rate": FINE_TUNING_LEARNING_RATE} if lora_rate else {}))
   run_cfg = dataclasses.replace(request.run, workdir=request.run.workdir or os.path.join("runs", model_name(launch)))
   return Configs(model_cfg, data_cfg, optim_cfg, run_cfg, weights)
@@ -139,10 +136,13 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   launch, model_cfg, data_cfg, optim_cfg = request.launch, configs.model, configs.data, configs.optim
   device = jax.devices()[0]
   target = MACHINES[launch.target] if launch.target else None
-  resumed = resumed_engine_state(request, configs.run.workdir, model_cfg)
+  check_resumable(configs.run.workdir)  # a checkpoint fixes no placement: this run's own plan chooses it
+  moments = resumed_moments(request, configs.run.workdir)
+  if moments:
+    optim_cfg = dataclasses.replace(optim_cfg, moments_dtype=moments)
   mode = launch.engine
   if mode == "auto":
-    mode = "offload" if resumed or not fits_on_device(launch, model_cfg, optim_cfg, device) else "device"
+    mode = "offload" if not fits_on_device(launch, model_cfg, optim_cfg, device) else "device"
   offload_only = [f"--{name}" for name in ("sub_batches", "live_layers", "tail_layers") if getattr(launch, name)]
   if mode == "device" and offload_only and not launch.plan:
     chosen = "the auto engine chose the on-device step (the training state fits)" if launch.engine == "auto" else (
@@ -165,15 +165,11 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   model = build(model_cfg)
   planned = batch_planned(request, model_cfg)
   live_layers, tail_layers = launch.live_layers, launch.tail_layers
-  if resumed:
-    live_layers, tail_layers = resumed.live_layers, resumed.tail_layers
-    optim_cfg = dataclasses.replace(optim_cfg, moments_dtype=resumed.moments_dtype or optim_cfg.moments_dtype)
 
   def plan_with(optim_cfg):  # the plan sizes one device's work: its rows, its 1/fsdp share of the layer state
     args = dict(sub_batches=launch.sub_batches, live_layers=live_layers, tail_layers=tail_layers,
                 fsdp=mesh.shape["fsdp"], target=target, optimizer=make_optimizer(optim_cfg, clip=False),
-                grad_clip_norm=optim_cfg.grad_clip_norm,
-                device_state_groups=resumed.device_state_groups if resumed else None)
+                grad_clip_norm=optim_cfg.grad_clip_norm)
     if planned:
       return plan_batch(model, data_cfg.seq_len, budget, devices=mesh.size, **args)
     return make_plan(model, data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, **args), None
@@ -182,7 +178,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
     (plan, why), error = plan_with(optim_cfg), None
   except ValueError as fp32_error:
     (plan, why), error = (None, None), fp32_error
-  if "moments_dtype" not in request.optim and not resumed and optim_cfg.moments_dtype == "float32" and (
+  if "moments_dtype" not in request.optim and optim_cfg.moments_dtype == "float32" and (
       plan is None or (planned and not plan.compute_bound)):
     bf16 = dataclasses.replace(optim_cfg, moments_dtype="bfloat16")
     try:
@@ -253,19 +249,27 @@ def prepare(request: Request) -> Job:
   if request.lora is not None:
     check_lora_request(launch)
   configs = resolve(request)
+  layers = configs.model.num_layers
+  too_many = [f"--{name}={getattr(launch, name)}" for name in ("live_layers", "tail_layers")
+              if getattr(launch, name) > layers]
+  if too_many:
+    raise ValueError(f"{' and '.join(too_many)}: more than the model's {layers} layers")
   if not launch.plan:
     trainer.check_workdir(configs.run.workdir)
     metrics.check_writable_file(configs.run.loss_log, what="loss_log", workdir=configs.run.workdir)
     metrics.check_logger()
     if request.lora is not None:
       check_lora_resume(configs.run.workdir, lora_meta(request, configs))
-  source = make_source(configs.data, configs.model.max_positions, configs.model.vocab_size)
+  source = make_source(configs.data, configs.model.max_positions, configs.model.vocab_size,
+                       configs.run.eval_every > 0)  # held-out text too, for --eval_every
   mesh = make_mesh("data:1,fsdp:1" if request.lora is not None else launch.mesh)  # LoRA: one device
   model_cfg, data_cfg, optim_cfg, engine_cfg = choose_engine(request, configs, mesh)
   check_batch(data_cfg.batch_size, engine_cfg.sub_batches if engine_cfg else 1, mesh)
   if data_cfg != configs.data:  # the plan chose the batch: the corpus read stays, the windows per step change
-    source = Source(source.tokens, source.vocab_size, data_cfg)
+    source = source.with_config(data_cfg)
   configs = configs._replace(model=model_cfg, data=data_cfg, optim=optim_cfg)
+  if configs.run.eval_every:
+    source.eval_batches(configs.run.eval_batches)  # enough held-out text for them, at the batch the run trains at
   print(recipe_line(request, configs, batch_planned(request, model_cfg) and engine_cfg is not None))
   if request.lora is not None:
     lora = request.lora

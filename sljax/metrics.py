@@ -24,9 +24,12 @@ def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, device: j
   return tokens_per_s * flops_per_token / (num_devices * peak)
 
 
-def progress_description(loss: float, tokens_per_s: float, utilization: float | None) -> str:
+def progress_description(loss: float, tokens_per_s: float, utilization: float | None,
+                         eval_loss: float | None = None) -> str:
+  """The progress bar's line; eval_loss: the newest held-out loss, None before the first."""
   mfu_text = "n/a" if utilization is None else f"{100 * utilization:.1f}%"
-  return f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {mfu_text}"
+  eval_text = "" if eval_loss is None else f" | eval {eval_loss:.3f}"
+  return f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {mfu_text}{eval_text}"
 
 
 def check_logger():

@@ -5,7 +5,9 @@ import dataclasses
 import math
 import typing
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from models.config import ModelConfig
@@ -111,6 +113,21 @@ def recipe_for(cfg: ModelConfig) -> str:
   return min(same_family, key=lambda name: abs(math.log(PRESETS[name].param_count() / cfg.param_count())))
 
 
+def run_decay_steps(steps: int, warmup_steps: int, peak: float) -> tuple[int, str]:
+  """(decay_steps, a note or "") for a run of `steps` that leaves --decay_steps unset. The warmup is the recipe's in
+  steps whatever the run's length, and the rate decays over the rest of the run; a run that ends within the warmup
+  does not decay (0) and never reaches the peak: it is the first `steps` of the long run's schedule, so a short smoke
+  run shows the losses a long run starts with. (Warmup squeezed into half of a short run reached the peak within a
+  few steps, where Adam's first updates move every weight by about the rate in the gradient's sign: llama13b at
+  --steps=20 went from 11.43 to 18.71 at step 10.) A run of at least twice the warmup gets what it always got."""
+  if steps > warmup_steps:
+    return steps, ""
+  last_rate = peak * (steps - 1) / warmup_steps  # update n runs at rate(n - 1)
+  return 0, (f"note: --steps={steps} ends within the {warmup_steps} warmup steps: the learning rate rises to "
+             f"{last_rate:.3g} by the last step ({last_rate / peak:.1%} of the peak {peak:g}) and no decay follows, "
+             f"the first {steps} steps of a long run's schedule (--warmup_steps, --decay_steps set them)")
+
+
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
   warmup = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
   if not cfg.decay_steps:
@@ -130,3 +147,54 @@ def make_optimizer(cfg: OptimConfig, clip: bool = True) -> optax.GradientTransfo
   if clip and cfg.grad_clip_norm:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)
   return adamw
+
+
+def check_per_parameter(optimizer: optax.GradientTransformation, layer_shapes, outer_shapes):
+  """ValueError unless `optimizer` updates each parameter on its own, as an engine that updates one layer group at
+  a time (and the embeddings + head apart) needs for its steps to be exact. The check is a probe, not a list of
+  known transforms (a chain of per-parameter ones passes, a user's own global one fails): the model's trees with each
+  axis cut to 2 (two layers, then the groups {layer 0} and {layer 1}), random params and gradients large enough that
+  a norm-based transform acts, two updates of the whole model against the same updates of each part alone."""
+  shrink = lambda tree, lead: jax.tree.map(lambda s: (2,) * len(s.shape) if lead else
+                                           tuple(min(n, 2) for n in s.shape), tree)
+  shapes = {"outer": shrink(outer_shapes, False), "layers": shrink(layer_shapes, True)}
+  leaves, structure = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+  rng = np.random.default_rng(0)
+  draw = lambda scale: structure.unflatten([(scale * rng.standard_normal(s)).astype(np.float32) for s in leaves])
+  params, gradients = draw(1.0), [draw(10.0), draw(10.0)]
+  layer = lambda tree, i: jax.tree.map(lambda x: x[i:i + 1], tree)
+  parts = [lambda tree: tree["outer"], lambda tree: layer(tree["layers"], 0), lambda tree: layer(tree["layers"], 1)]
+
+  def updates(params, gradients):
+    state, out = optimizer.init(params), []
+    for grads in gradients:
+      update, state = optimizer.update(grads, state, params)
+      out.append(update)
+    return out
+
+  try:
+    cpu = jax.local_devices(backend="cpu")[0]  # tiny arrays, op by op: no accelerator compiles or memory; this
+    # process's own (jax.devices() lists every process's: on the second host [0] is the first host's)
+  except RuntimeError:  # JAX_PLATFORMS leaves no CPU backend
+    cpu = None
+  try:
+    with jax.default_device(cpu):
+      whole = updates(params, gradients)
+      alone = [updates(part(params), [part(g) for g in gradients]) for part in parts]
+  except Exception as error:  # e.g. labels (optax.multi_transform) given as a tree of the whole model's structure
+    raise ValueError(f"the optimizer cannot update a layer group alone ({type(error).__name__}: "
+                     f"{str(error).splitlines()[0] if str(error) else ''}); the engine updates one group at a time, "
+                     f"so it needs a per-parameter optimizer (AdamW, SGD, Lion, ...)") from None
+  for step in range(len(gradients)):
+    for part, got in zip(parts, alone):
+      want = part(whole[step])
+      difference = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)) / (np.abs(np.asarray(b)) + 1e-6)))
+                       for a, b in zip(jax.tree.leaves(got[step]), jax.tree.leaves(want)))
+      if difference > 1e-3:
+        raise ValueError(
+            f"the optimizer is not per-parameter: its update of one layer group alone differs from its update of "
+            f"the whole model (by up to {difference:.0%} of an element), as a global transform's does "
+            f"(optax.clip_by_global_norm, a global-norm scale); the engine updates one group at a time, so only "
+            f"per-parameter optimizers (AdamW, SGD, Lion, ...) are exact: for global-norm clipping drop it from the "
+            f"optimizer and set EngineConfig.grad_clip_norm (train.py --grad_clip_norm), which the engine computes "
+            f"over all groups")

@@ -54,8 +54,9 @@ import numpy as np
 import optax
 
 from models.common import check_model, layer_compute_dtypes, loss_denominator, params_reader
-from sljax.memory import DEVICE, HOST, Placement, prefetch
+from sljax.memory import DEVICE, HOST, InFlight, Placement, prefetch
 from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
+from sljax.optim import check_per_parameter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +238,42 @@ def dequantize_rows(q, scale, dtype):
   return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
+BATCH_KEYS = ("inputs", "targets", "weights")
+
+
+def check_training_batch(batch, cfg) -> int:
+  """The rows of a training batch ({"inputs", "targets": int [B, S] token ids, "weights": [B, S] >= 0}); ValueError
+  naming the key when one is missing, of another shape, dtype or rank, or holds a token id outside the vocabulary
+  (cfg.vocab_size, where the model's config has one) or more positions than cfg.max_positions."""
+  if not hasattr(batch, "keys"):
+    raise ValueError(f"a batch is a dict of {', '.join(BATCH_KEYS)}, got {type(batch).__name__}")
+  missing = [key for key in BATCH_KEYS if key not in batch]
+  if missing:
+    raise ValueError(f"the batch has no {', '.join(map(repr, missing))} (it needs {', '.join(BATCH_KEYS)}: [B, S] "
+                     f"arrays), got keys {', '.join(map(repr, batch.keys()))}")
+  arrays = {key: np.asarray(batch[key]) for key in BATCH_KEYS}
+  shape = arrays["inputs"].shape
+  for key, x in arrays.items():
+    if x.ndim != 2 or x.shape != shape or 0 in x.shape:
+      raise ValueError(f"batch[{key!r}] has shape {x.shape}; every array of a batch is [B, S], the same for "
+                       f"{', '.join(BATCH_KEYS)} (inputs: {shape})")
+    kinds = "iu" if key != "weights" else "iufb"
+    if x.dtype.kind not in kinds:
+      raise ValueError(f"batch[{key!r}] has dtype {x.dtype}; "
+                       + ("token ids are integers" if key != "weights" else "weights are numbers >= 0"))
+  vocab, positions = getattr(cfg, "vocab_size", None), getattr(cfg, "max_positions", None)
+  for key in ("inputs", "targets"):
+    low, high = int(arrays[key].min()), int(arrays[key].max())
+    if low < 0 or (vocab is not None and high >= vocab):
+      raise ValueError(f"batch[{key!r}] holds token id {low if low < 0 else high}, outside the model's vocabulary"
+                       + (f" 0..{vocab - 1}" if vocab is not None else " (ids are >= 0)"))
+  if (arrays["weights"] < 0).any():  # NaN passes: a non-finite loss is a bad step, skipped, not a bad request
+    raise ValueError(f"batch['weights'] holds {arrays['weights'].min()}; weights are >= 0")
+  if positions is not None and shape[1] > positions:
+    raise ValueError(f"the batch's {shape[1]} positions are more than the model's max_positions {positions}")
+  return shape[0]
+
+
 def _clip(grads, norm, max_norm):
   """optax.clip_by_global_norm's arithmetic, with the norm computed over all groups beforehand."""
   return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), grads)
@@ -263,6 +300,10 @@ class Engine:
       raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
     if not 0 <= cfg.tail_layers <= num_layers:
       raise ValueError(f"tail_layers must be in 0..{num_layers} (the model's layers), got {cfg.tail_layers}")
+    if cfg.live_layers > num_layers:
+      raise ValueError(f"live_layers must be at most the model's {num_layers} layers, got {cfg.live_layers}")
+    layer_shapes = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))
+    check_per_parameter(optimizer, layer_shapes, jax.eval_shape(model.init_outer, jax.random.key(0)))
     self.model, self.optimizer, self.cfg = model, optimizer, cfg
     self.place = placement or Placement.single()
     # Both hold weak references: a state the caller drops (for a restored one, say) is freed at once, not kept alive
@@ -274,7 +315,6 @@ class Engine:
     self.groups = cfg.bounds(num_layers)
     self.state_on_device = state_on_device(len(self.groups), cfg.device_state_groups)
     self.compute_dtype = jnp.dtype(model.cfg.dtype)  # of the activations
-    layer_shapes = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))
     self.layer_dtypes = layer_compute_dtypes(model, layer_shapes)  # what each leaf of a group runs in
     # A host group keeps a copy in those dtypes, the one that crosses PCIe, when any leaf's differs from its master's.
     self.separate_weights = any(jax.tree.leaves(jax.tree.map(lambda x, d: x.dtype != d, layer_shapes,
@@ -288,6 +328,7 @@ class Engine:
                              donate=(2, 6, 7))
     self._backward = local(self._backward_fn, (whole, rows, rows, rows), rows, donate=(1, 3))
     self._embed_backward = local(self._embed_backward_fn, (whole, rows, rows, rows), rows, donate=(3,))
+    self._last_group_loss = local(self._last_group_loss_fn, (whole, whole, rows, rows, rows, whole), rows)
     self._quantize = local(quantize_rows, (rows,), (rows, rows))
     self._dequantize = local(functools.partial(dequantize_rows, dtype=self.compute_dtype), (rows, rows), rows)
     self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))  # elementwise: runs on the shards
@@ -322,6 +363,10 @@ class Engine:
 
     loss, (d_weights, d_outer, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(weights, outer, x)
     return loss[None], dx, _add(grads, d_weights), _add(outer_grads, d_outer)  # loss: this device's rows' part
+
+  def _last_group_loss_fn(self, weights, outer, x, targets, loss_weights, inv_total):
+    h = self.model.layers(weights, x)
+    return (self.model.head_loss(outer, h, targets, loss_weights) * inv_total)[None]  # this device's rows' part
 
   def _backward_fn(self, weights, x, dy, grads):
     _, vjp = jax.vjp(self.model.layers, weights, x)
@@ -403,6 +448,18 @@ class Engine:
     return {"step": placed(shapes["step"], DEVICE, REPLICATED), "outer": split("outer"),
             "outer_opt": split("outer_opt"), "groups": groups}
 
+  def with_compute_copies(self, state: dict) -> dict:
+    """`state` with each host group's compute copy ("weights") made from its master weights as `_make_group` makes
+    it: what a restored checkpoint, which holds none, lacks."""
+    groups = []
+    for g, group in enumerate(state["groups"]):
+      group = {name: value for name, value in group.items() if name != "weights"}
+      if self.separate_weights and not self.state_on_device[g]:
+        master = self.place.to_device(group["master"], self.place.state_spec)
+        group["weights"] = self.place.to_host(self._cast(master), self.place.state_spec)
+      groups.append(group)
+    return {**state, "groups": groups}
+
   def _state(self, outer, groups) -> dict:
     return {"step": self.place.to_device(np.zeros((), np.int32)), "outer": outer,
             "outer_opt": self._init_outer_opt(outer), "groups": groups}
@@ -450,7 +507,7 @@ class Engine:
     group g's just before its forward reads group g's weights, so their copies hide behind that forward. `settle`
     applies them at once (before a checkpoint); `params` sees them applied."""
     n = self.cfg.sub_batches
-    check_batch(batch["inputs"].shape[0], n, self.place.mesh)
+    check_batch(check_training_batch(batch, self.model.cfg), n, self.place.mesh)
     tokens, targets, loss_weights = (  # each sub-batch's rows split over every device
         [self.place.to_device(part, PER_DEVICE) for part in np.split(np.asarray(batch[key]), n)]
         for key in ("inputs", "targets", "weights"))
@@ -538,6 +595,44 @@ class Engine:
     for g in range(len(groups)):
       self._settle_group(g, self._fetch(g, True, groups, parked), groups, parked)
     return {name: value for name, value in state.items() if name != "parked"} | {"groups": groups}
+
+  def eval_loss(self, state: dict, batch: dict) -> jax.Array:
+    """The loss of `batch` under the state's params, what `model.loss` gives (the same weighted mean over the whole
+    batch), by a forward-only pass in the step's order: each group's weights fetched once, every sub-batch through
+    them, the last group with the head. Reads `state` and changes nothing (a step after it is the step without it).
+    A state holding parked updates is refused, since they are not in its weights yet: see `evaluate`."""
+    if state.get("parked") is not None:
+      raise ValueError("the state holds parked updates (clipping): evaluate engine.settle(state), or take "
+                       "engine.evaluate(state, batch), which applies them")
+    return self.evaluate(state, batch)[1]
+
+  def evaluate(self, state: dict, batch: dict) -> tuple[dict, jax.Array]:
+    """(`settle(state)`, `eval_loss` of `batch` on it) in one pass: each parked update is applied just before its
+    group's forward, its state brought in ahead as the step's forward does, so that its copies overlap the eval's
+    compute instead of adding to it. Consumes `state` when it holds parked updates, like `settle`; else reads it and
+    returns it as it is."""
+    n = self.cfg.sub_batches
+    check_batch(batch["inputs"].shape[0], n, self.place.mesh)
+    tokens, targets, loss_weights = (
+        [self.place.to_device(part, PER_DEVICE) for part in np.split(np.asarray(batch[key]), n)]
+        for key in ("inputs", "targets", "weights"))
+    inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
+    outer, parked, groups = self.place.gather(state["outer"]), state.get("parked"), list(state["groups"])
+    stream = prefetch(range(len(groups)), lambda g: self._fetch(g, True, groups, parked))
+    weights = lambda g: self._settle_group(g, next(stream), groups, parked)
+    # The host waits for the group before the one it issued last, so that no more weights are in flight than in the
+    # step's forward (a call allocates its outputs when it is issued).
+    pace, last = InFlight(1), len(groups) - 1
+    level = [self._embed(outer, tokens[s]) for s in range(n)]
+    for g in range(last):
+      w = weights(g)
+      level = [self._forward(w, x) for x in level]
+      pace.add(level[-1])
+    w = weights(last)
+    losses = [self._last_group_loss(w, outer, x, targets[s], loss_weights[s], inv_total) for s, x in enumerate(level)]
+    if parked is not None:
+      state = {name: value for name, value in state.items() if name != "parked"} | {"groups": groups}
+    return state, self.place.reduce(sum(losses), sharded=False)
 
   def _fetch(self, g: int, forward: bool, groups: list, parked: dict | None):
     """What group g's turn in the step needs on the device, issued ahead of it: its weights, or (forward, with its

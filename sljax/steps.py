@@ -12,7 +12,7 @@ import optax
 from models.common import params_reader
 from models.config import ModelConfig
 from models.presets import build
-from sljax import schedule
+from sljax import checkpoint_layout, schedule
 from sljax.lora.checkpoint import random_base_key
 from sljax.lora.engine import LoraEngine, LoraEngineConfig
 from sljax.lora.model import LoraConfig, LoraModel, split_adapters
@@ -58,6 +58,13 @@ class StepFunctions(NamedTuple):
   abstract: typing.Callable  # key -> state of jax.ShapeDtypeStruct with shardings
   skips_bad_steps: bool
   settle: typing.Callable = lambda state: state  # state -> the state with its deferred updates applied
+  # (state, batch) -> (the state settled, the loss of the batch on its params: model.loss), forward only; may donate
+  # state as settle does
+  evaluate: typing.Callable | None = None
+  # A settled state -> what its checkpoint holds (a sljax.checkpoint.View, or the state itself: saved as it is), and
+  # key -> what a restore places (a View, or None: the abstract state's arrays as they are).
+  checkpoint: typing.Callable = lambda state: state
+  checkpoint_target: typing.Callable = lambda key: None
 
 
 def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.Device | None = None,
@@ -86,10 +93,16 @@ def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.De
 
   init = jax.jit(init, out_shardings=sharding)
   step = jax.jit(step, donate_argnums=0)
+  eval_loss = jax.jit(lambda state, batch: model.loss(state["params"], batch))
   if mesh is not None:  # each device takes its rows of the batch
-    place, sharded_step = Placement(mesh), step
+    place, sharded_step, sharded_eval = Placement(mesh), step, eval_loss
     step = lambda state, batch: sharded_step(state, place.to_device(batch, PER_DEVICE))
-  return StepFunctions(init, load, step, lambda key: jax.eval_shape(init, key), skips_bad_steps=True)
+    eval_loss = lambda state, batch: sharded_eval(state, place.to_device(batch, PER_DEVICE))
+  abstract = lambda key: jax.eval_shape(init, key)
+  return StepFunctions(init, load, step, abstract, skips_bad_steps=True,
+                       evaluate=lambda state, batch: (state, eval_loss(state, batch)),
+                       checkpoint=lambda state: checkpoint_layout.device_view(optimizer, state),
+                       checkpoint_target=lambda key: checkpoint_layout.device_view(optimizer, abstract(key), True))
 
 
 def offload_engine(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
@@ -108,7 +121,11 @@ def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
   # A non-finite loss leaves its state unchanged; a non-finite gradient too when clipping (the updates then wait for
   # the global norm). Without clipping, updates stream out before the whole gradient is known: rewind instead.
   return StepFunctions(engine.init, engine.from_params, engine.step, engine.abstract_state,
-                       skips_bad_steps=engine.cfg.grad_clip_norm > 0, settle=engine.settle)
+                       skips_bad_steps=engine.cfg.grad_clip_norm > 0, settle=engine.settle,
+                       evaluate=engine.evaluate,
+                       checkpoint=lambda state: checkpoint_layout.offload_view(engine, state),
+                       checkpoint_target=lambda key: checkpoint_layout.offload_view(
+                           engine, engine.abstract_state(key), True))
 
 
 def lora_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, lora: LoraConfig, engine_cfg: LoraEngineConfig,
@@ -128,7 +145,8 @@ def fine_tuned(engine: LoraEngine) -> StepFunctions:
   """The LoRA engine as a training step: its state is the adapters, their optimizer state and the step; `load`
   takes LoraModel params (the base in them is not read: the engine holds its own)."""
   load = lambda params: engine.from_adapters(split_adapters(params["layers"])[1])
-  return StepFunctions(engine.init, load, engine.step, engine.abstract, engine.skips_bad_steps, engine.settle)
+  return StepFunctions(engine.init, load, engine.step, engine.abstract, engine.skips_bad_steps, engine.settle,
+                       evaluate=lambda state, batch: (state, engine.eval_loss(state, batch)))
 
 
 def make_step(model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: EngineConfig | None,

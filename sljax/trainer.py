@@ -3,10 +3,14 @@ skip non-finite steps, stop cleanly on SIGTERM / SIGINT. sljax.launch builds the
 
 import contextlib
 import dataclasses
+import fcntl
+import functools
 import json
 import math
 import os
 import signal
+import socket
+import sys
 import threading
 import time
 import typing
@@ -19,9 +23,9 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from sljax import metrics
-from sljax.checkpoint import Checkpointer, check_disk
+from sljax.checkpoint import Checkpointer, check_disk, saved_bytes
 from sljax.data import Source
-from sljax.memory import MemoryPeaks, tree_bytes
+from sljax.memory import MemoryPeaks
 
 PROFILE_STEPS = 3  # steps traced by --profile, starting after the first (compiling) step of the run
 
@@ -32,7 +36,10 @@ class RunConfig:
 
   steps: int = 300  # total optimizer steps, counting those done before a resume
   workdir: str = ""  # where checkpoints/, tb/ and profile/ go; "": runs/<model>
-  checkpoint_every: int = 100  # save a checkpoint every this many steps; 0: none at all (nothing to resume from)
+  # save a checkpoint every this many steps; 0: none by count (and with checkpoint_minutes 0 too, none at all)
+  checkpoint_every: int = 100
+  # also save once this many minutes have passed since the last save began (checked after every step); 0: never
+  checkpoint_minutes: float = 0
   keep_checkpoints: int = 2  # newest checkpoints kept
   log_every: int = 10  # log throughput and refresh the progress bar every this many steps
   profile: bool = False  # write a jax.profiler trace of PROFILE_STEPS steps into workdir/profile
@@ -41,13 +48,27 @@ class RunConfig:
   # sample the live arrays' bytes per memory kind while training (a thread: steps slow a little) and print the peaks,
   # with the device allocator's, at the end (what benchmarks.plan_vs_peak compares with the plan)
   memory_peaks: bool = False
+  # every this many steps (not at step 0), log the loss of --eval_batches held-out batches as eval_loss and
+  # eval_perplexity (TFDS: --eval_split; stdlib: a slice of documents no step trains on); 0: never
+  eval_every: int = 0
+  eval_batches: int = 4  # held-out batches, of the training batch's shape, that each evaluation runs: the same ones
 
   def __post_init__(self):
-    for field in ("steps", "keep_checkpoints", "log_every", "stop_after_bad_steps"):
+    for field in ("steps", "keep_checkpoints", "log_every", "stop_after_bad_steps", "eval_batches"):
       if getattr(self, field) < 1:
         raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
     if self.checkpoint_every < 0:
       raise ValueError(f"checkpoint_every must be >= 0 (0: no checkpoints), got {self.checkpoint_every}")
+    if self.eval_every < 0:
+      raise ValueError(f"eval_every must be >= 0 (0: no evaluation), got {self.eval_every}")
+    if not (math.isfinite(self.checkpoint_minutes) and self.checkpoint_minutes >= 0):
+      raise ValueError(f"checkpoint_minutes must be finite and >= 0 (0: no saves by time), got "
+                       f"{self.checkpoint_minutes}")
+
+  @property
+  def saves(self) -> bool:
+    """Whether the run saves checkpoints at all (by steps or by time)."""
+    return bool(self.checkpoint_every or self.checkpoint_minutes)
 
 
 class Diverged(RuntimeError):
@@ -82,6 +103,10 @@ class Step(typing.Protocol):
     """`state` with every update its step deferred applied (the offload engine parks clipped updates until the next
     step's forward): what a checkpoint holds. May donate `state`."""
 
+  def evaluate(self, state, batch: dict[str, np.ndarray]) -> tuple[typing.Any, jax.Array]:
+    """(`settle(state)`, the loss of `batch` on its params), forward only: nothing else changes. May donate
+    `state`."""
+
 
 def check_workdir(workdir: str):
   """Raises ValueError, before anything is written, when `workdir` cannot be created or written: a URL (checkpoints
@@ -108,36 +133,93 @@ def check_workdir(workdir: str):
     raise ValueError(f"workdir {workdir} is not writable: {existing} is read-only here")
 
 
-class StopSignal:
-  """While entered, SIGTERM and SIGINT set `received` (the signal's name) instead of ending the process, so the
-  loop can finish its step and save; a second signal acts as it would have (Ctrl-C twice still interrupts)."""
+def _say(line: str):
+  """One line on stderr, from a signal handler: unbuffered (a print there can land inside the main thread's own write
+  to the same stream, which Python refuses as a reentrant call)."""
+  os.write(2, f"{line}\n".encode())
+
+
+def _exit_now(code: int):
+  """Ends the process at once: no interpreter teardown, whose threads (XLA's compiler, orbax's writers) a signal
+  can catch half-way (a segfault), and nothing that could flush a partial file. The kernel drops the workdir lock."""
+  for stream in (sys.stdout, sys.stderr):  # what was printed (the plan, say), unless the signal landed in a write
+    try:
+      stream.flush()
+    except (RuntimeError, OSError, ValueError):
+      pass
+  os._exit(code)
+
+
+class _Signals:
+  """Installs `_handle` for SIGTERM and SIGINT while entered (from the main thread: Python runs handlers there only)
+  and puts the handlers before it back on exit."""
 
   def __enter__(self):
-    self.received, self._previous = None, {}
-    if threading.current_thread() is threading.main_thread():  # Python runs signal handlers there only
+    self._previous = {}
+    if threading.current_thread() is threading.main_thread():
       self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
     return self
 
-  def _handle(self, signum, frame):
-    self.received = signal.Signals(signum).name
-    self._restore()
-
-  def _restore(self):
+  def __exit__(self, *exc_info):
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
 
-  def __exit__(self, *exc_info):
-    self._restore()
+  def _handle(self, signum, frame):
+    raise NotImplementedError
 
 
-def _any_process(flag: bool) -> bool:
-  """Whether `flag` is set in any process. On several hosts every process must call this at the same step: a
-  signal that reaches one host (or reaches them at different steps) then stops them all after the same step. The
-  all-gather waits for the step in flight, so the next step's first weights start crossing only after it (a gap of
-  about one group's copy per step: ~15 ms of llama13b's 11 s); with one process nothing waits."""
+class ExitOnSignal(_Signals):
+  """Outside the step loop (train.py enters it before anything is compiled or allocated; the loop's StopSignal takes
+  over from the first step to the last save): SIGTERM / SIGINT end the process at once with one `sljax:` line and
+  rc 128 + the signal's number (143, 130), as a shell reports a process the signal ended. Nothing is lost: no step
+  is in flight and no checkpoint is being written."""
+
+  def _handle(self, signum, frame):
+    _say(f"sljax: {signal.Signals(signum).name} outside the step loop (start-up, or after the last save): exiting "
+         f"at once; nothing is lost (no step is in flight, no checkpoint is being written)")
+    _exit_now(128 + signum)
+
+
+class StopSignal(_Signals):
+  """While entered, the first SIGTERM or SIGINT sets `received` (the signal's name) instead of ending the process, so
+  the loop finishes its step in flight, saves it and returns; it says so at once. A second one (an impatient Ctrl-C,
+  a scheduler's repeated SIGTERM) is answered and does not interrupt the save; a third ends the process at once
+  (rc 128 + its number), saying which steps are lost. The loop keeps `step` (the last step dispatched) and `saved`
+  (the newest checkpoint's step, None: none; `saving` False: the run saves none) up to date for those lines."""
+
+  def __init__(self):
+    self.received, self.signals, self.step, self.saved, self.saving = None, 0, 0, None, True
+
+  def _lost(self) -> str:
+    if not self.saving:
+      return "the run saves no checkpoints (--checkpoint_every=0)"
+    since = f"checkpoint {self.saved}" if self.saved is not None else "the start (no checkpoint yet)"
+    return f"the steps since {since}, up to step {self.step}"
+
+  def _handle(self, signum, frame):
+    name = signal.Signals(signum).name
+    self.signals += 1
+    if self.signals == 1:
+      self.received = name
+      what = "saving it" if self.saving else "exiting (no checkpoints: --checkpoint_every=0)"
+      _say(f"sljax: {name}: finishing the step in flight, then {what}; a third signal aborts at once")
+    elif self.signals == 2:
+      _say(f"sljax: {name} again: still stopping cleanly; one more aborts at once and loses {self._lost()}")
+    else:
+      _say(f"sljax: {name} a third time: aborted; lost: {self._lost()}")
+      _exit_now(128 + signum)
+
+
+def _any_process(*flags: bool) -> tuple[bool, ...]:
+  """Whether each flag is set in any process, in one all-gather. On several hosts every process must call this at
+  the same step: a signal that reaches one host (or reaches them at different steps), or a save that one host's
+  clock finds due, then acts on all of them after the same step. The all-gather waits for the step in flight, so the
+  next step's first weights start crossing only after it (a gap of about one group's copy per step: ~15 ms of
+  llama13b's 11 s); with one process nothing waits."""
   if jax.process_count() == 1:
-    return flag
-  return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+    return tuple(bool(flag) for flag in flags)
+  gathered = multihost_utils.process_allgather(np.asarray(flags, bool))  # [processes, flags]
+  return tuple(bool(flag) for flag in np.any(gathered.reshape(-1, len(flags)), axis=0))
 
 
 def _in_a_row(step: int, skipped: set[int]) -> int:
@@ -148,6 +230,83 @@ def _in_a_row(step: int, skipped: set[int]) -> int:
   return length
 
 
+class WorkdirBusy(RuntimeError):
+  """Another run that is still alive holds the workdir."""
+
+
+LOCK_FILE = "lock"  # in the workdir: an flock(2) on it, and who holds it
+clock = time.monotonic  # what --checkpoint_minutes measures (a test's fake clock replaces it)
+_held: dict[str, "WorkdirLock"] = {}  # workdir -> the lock this process holds on it, while `train` runs
+
+
+class WorkdirLock:
+  """An exclusive flock(2) on <workdir>/lock, so that two runs never train into one workdir (the second would resume
+  from the first's newest checkpoint and both would save over each other). The kernel drops an flock when its
+  process ends, however it ends: a killed run's lock file stays but blocks nothing. On several hosts only the first
+  process takes it (the others share its workdir or have their own)."""
+
+  def __init__(self, workdir: str):
+    self.workdir, self.path = workdir, os.path.join(workdir, LOCK_FILE)
+    self._fd, self._made = None, False
+
+  def acquire(self) -> str | None:
+    """Takes the lock; returns None, or a line saying who holds it (the lock file's record of that run)."""
+    self._made = not os.path.isdir(self.workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.read(fd, 4096).decode(errors="replace").strip() or "a run that has not said who it is"
+      os.close(fd)
+      return (f"workdir {self.workdir} is in use by another run ({holder}): two runs in one workdir would save over "
+              f"each other's checkpoints; wait for it to end, or give this run another --workdir")
+    except OSError as error:  # a filesystem without flock: train unguarded rather than not at all
+      logging.warning("cannot lock workdir %s (%s): nothing stops a second run from using it", self.workdir, error)
+      return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    self._fd = fd
+    return None
+
+  def release(self):
+    """Lets the lock go. The file stays (unlinked, a run waiting on it and one that makes it anew could both hold
+    "the" lock); a workdir this lock made and nothing else wrote to goes too."""
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
+    if self._made and os.listdir(self.workdir) == [LOCK_FILE]:
+      os.remove(self.path)
+      os.rmdir(self.workdir)
+
+
+def hold_workdir(workdir: str):
+  """Locks `workdir` for the `train` call that runs this, on every process of the run or none; WorkdirBusy (one
+  line) while another live run holds it. After the disk check, which must find nothing written."""
+  lock = WorkdirLock(workdir) if jax.process_index() == 0 else None
+  refusal = lock.acquire() if lock else None
+  if lock:
+    _held[os.path.abspath(workdir)] = lock
+  busy, = _any_process(refusal is not None)
+  if busy:
+    raise WorkdirBusy(refusal or f"workdir {workdir} is in use by another run (the first process of this run found "
+                                 f"its lock held)")
+
+
+def _releases_workdir(train):
+  """`train`, letting go of the workdir lock that its call took (hold_workdir), however it ends."""
+  @functools.wraps(train)
+  def wrapped(engine, source, run_cfg, *args, **kwargs):
+    try:
+      return train(engine, source, run_cfg, *args, **kwargs)
+    finally:
+      lock = _held.pop(os.path.abspath(run_cfg.workdir), None)
+      if lock:
+        lock.release()
+  return wrapped
+
+
+@_releases_workdir
 def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning_rate: Callable[[int], float],
           flops_per_token: float, devices: int = 1, init_params=None) -> dict[int, float]:
   """Trains to `run_cfg.steps`, resuming from the newest checkpoint in the workdir; returns {step: loss} of the
@@ -165,14 +324,22 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
   """
   device = jax.devices()[0]
   key = jax.random.key(source.cfg.seed)
+  if run_cfg.eval_every and getattr(engine, "evaluate", None) is None:
+    raise ValueError("--eval_every: this training step has no evaluate")
+  eval_batches = source.eval_batches(run_cfg.eval_batches) if run_cfg.eval_every else []
   directory = os.path.join(run_cfg.workdir, "checkpoints")
-  if run_cfg.checkpoint_every:  # before anything is written: a run must not find out at its first save
-    check_disk(directory, tree_bytes(engine.abstract(key)), run_cfg.keep_checkpoints,
-               saves=-(-run_cfg.steps // run_cfg.checkpoint_every))  # the last step's save, if not one of them
+  # What a checkpoint holds of the state (an engine's: per layer, sljax.checkpoint_layout) and what a restore places.
+  checkpoint_of = getattr(engine, "checkpoint", lambda state: state)
+  restore_target = lambda: getattr(engine, "checkpoint_target", lambda key: None)(key) or engine.abstract(key)
+  if run_cfg.saves:  # before anything is written: a run must not find out at its first save
+    saves = run_cfg.steps if run_cfg.checkpoint_minutes else -(-run_cfg.steps // run_cfg.checkpoint_every)
+    check_disk(directory, saved_bytes(restore_target()), run_cfg.keep_checkpoints,
+               saves=saves)  # the last step's save, if not one of them
+  hold_workdir(run_cfg.workdir)  # refused while another run holds it; released when this call returns
   checkpointer = Checkpointer(directory, run_cfg.checkpoint_every, run_cfg.keep_checkpoints)
 
   def newest_good_state() -> tuple[int, object, dict]:  # checkpoints are only ever saved from good states
-    return checkpointer.restore_latest(engine.abstract(key)) or (
+    return checkpointer.restore_latest(restore_target()) or (
         0, engine.init(key) if init_params is None else engine.load(init_params), {})
 
   start, state, saved_meta = newest_good_state()
@@ -196,18 +363,49 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
   skipped = set(saved_meta.get("skipped_steps", []))
   history, pending, previous_loss = {}, [], None
   window_start, window_steps = time.perf_counter(), 0
+  last_eval, training_tail = None, 0.0  # training_tail: the last step's work that an evaluation waited for
   step = start
   progress = tqdm(initial=start, total=run_cfg.steps, unit="step", disable=not lead)
 
-  def save(force: bool = False):
-    nonlocal state
-    if run_cfg.checkpoint_every and (force or checkpointer.due(step)):  # settling costs the overlap of one step
-      state = engine.settle(state)
-      checkpointer.save(step, state, {**meta, "data_step": step, "skipped_steps": sorted(skipped)}, force)
+  saved_at = clock()  # when the newest checkpoint's state was reached: a fresh or resumed state counts as saved now
 
+  def save(force: bool = False):
+    nonlocal state, saved_at
+    if run_cfg.saves and (force or checkpointer.due(step)):  # settling costs the overlap of one step
+      started = clock()
+      state = engine.settle(state)
+      if checkpointer.save(step, checkpoint_of(state), {**meta, "data_step": step, "skipped_steps": sorted(skipped)},
+                           force):
+        saved_at, stop.saved = started, step
+
+  def evaluate(step_seconds: float) -> tuple[float, dict]:
+    """The held-out loss of the state after `step` (the mean over eval_batches), logged, and its loss-log line; the
+    wait for the step's own work to finish is training time (training_tail), the rest is not counted as training."""
+    nonlocal state, training_tail
+    started = time.perf_counter()
+    jax.block_until_ready(state)  # the loss is known before the step's backward and updates have run
+    ready, losses = time.perf_counter(), []
+    for batch in eval_batches:  # the first applies clipping's parked updates: the params evaluated are the step's
+      state, loss = engine.evaluate(state, batch)
+      losses.append(loss)
+    value = float(np.mean(jax.device_get(losses)))
+    seconds, training_tail = time.perf_counter() - ready, ready - started
+    with np.errstate(over="ignore"):
+      perplexity = float(np.exp(value))  # inf past float64's range, NaN for a NaN loss
+    logger.scalars(step, {"eval_loss": value, "eval_perplexity": perplexity,
+                          "eval_seconds_per_batch": seconds / len(eval_batches)})
+    finite = math.isfinite(value)
+    line = {"step": step, "eval": True, "eval_loss": value if finite else None,
+            "eval_perplexity": perplexity if finite and math.isfinite(perplexity) else None}
+    logging.info("step %d: eval loss %.4f, perplexity %.2f on %d held-out batches; %.3f s per batch (a training "
+                 "step: %.3f s)", step, value, perplexity, len(eval_batches), seconds / len(eval_batches), step_seconds)
+    return value, line
+
+  stop = StopSignal()
+  stop.step, stop.saved, stop.saving = start, start or None, run_cfg.saves
   peaks = MemoryPeaks() if run_cfg.memory_peaks else contextlib.nullcontext()
   try:
-    with StopSignal() as stop, peaks:
+    with stop, peaks:
       while step < run_cfg.steps:
         if run_cfg.profile and step == profile_start:
           jax.profiler.start_trace(os.path.join(run_cfg.workdir, "profile"))
@@ -219,16 +417,20 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
           if previous_loss is not None:  # by one step at most, so that a stop signal waits for one step only
             jax.block_until_ready(previous_loss)
           previous_loss = loss
-        step += 1
+        step = stop.step = step + 1
         pending.append((step, loss))
         window_steps += 1
         progress.update()
         if run_cfg.profile and step == min(profile_start + PROFILE_STEPS, run_cfg.steps):
           jax.block_until_ready(loss)
           jax.profiler.stop_trace()
-        stopping = _any_process(stop.received is not None)
+        # Due by time: decided at every step (any process's clock), so the newest save is never older than
+        # --checkpoint_minutes plus one step (and the save's own time).
+        stopping, timed = _any_process(stop.received is not None, bool(run_cfg.checkpoint_minutes) and (
+            clock() - saved_at >= 60 * run_cfg.checkpoint_minutes))
+        evaluating = run_cfg.eval_every and step % run_cfg.eval_every == 0 and not stopping
         sync = (not history or step % run_cfg.log_every == 0 or checkpointer.due(step)
-                or step == run_cfg.steps or stopping or replaying_bad_step)
+                or step == run_cfg.steps or stopping or replaying_bad_step or evaluating or timed)
         if not sync:
           continue
 
@@ -241,6 +443,9 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
         seconds = time.perf_counter() - window_start
         tokens_per_s = window_steps * tokens_per_step / seconds
         utilization = metrics.mfu(tokens_per_s, flops_per_token, devices, device)
+        eval_line = None
+        if evaluating and not (bad and not engine.skips_bad_steps):  # not on a state a bad step spoiled
+          last_eval, eval_line = evaluate(seconds / window_steps)
         for n, value in losses.items():
           logger.scalars(n, {"loss": value, "learning_rate": float(learning_rate(n - 1))})
         logger.scalars(step, {"tokens_per_s": tokens_per_s, "mfu": utilization, "step_seconds": seconds / window_steps,
@@ -249,14 +454,18 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
         if loss_log:
           loss_log.writelines(json.dumps({"step": n, "loss": value if math.isfinite(value) else None}) + "\n"
                               for n, value in losses.items())
+          if eval_line:
+            loss_log.write(json.dumps(eval_line) + "\n")
           loss_log.flush()
         if not history:
           logging.info("first step (compilation included): %.1f s, loss %.3f", seconds, losses[min(losses)])
         finite = [value for value in losses.values() if math.isfinite(value)]
         if finite:
-          progress.set_description(metrics.progress_description(sum(finite) / len(finite), tokens_per_s, utilization))
+          progress.set_description(metrics.progress_description(sum(finite) / len(finite), tokens_per_s, utilization,
+                                                                last_eval))
         history.update(losses)
-        pending, window_start, window_steps = [], time.perf_counter(), 0
+        pending, window_start, window_steps = [], time.perf_counter() - training_tail, 0
+        training_tail = 0.0
 
         for n in bad:
           in_a_row = _in_a_row(n, skipped)
@@ -274,12 +483,12 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
           progress.reset()
           progress.update(step)
           continue
-        save(force=replaying_bad_step)  # saved past the bad step, a next one in a row rewinds with no replay
+        save(force=replaying_bad_step or timed)  # saved past the bad step, a next one in a row rewinds with no replay
         if stopping:
           break
       save(force=True)
       if stopping:
-        saved = (f"saved {checkpointer.directory}/{step}; the same command resumes" if run_cfg.checkpoint_every
+        saved = (f"saved {checkpointer.directory}/{step}; the same command resumes" if run_cfg.saves
                  else "not saved (--checkpoint_every=0)")
         logging.warning("%s: stopped after step %d; %s", stop.received or "another process's stop signal", step, saved)
   finally:

@@ -2,19 +2,31 @@
 safetensors and checkpoint files, unwritable logs, contradicting flags. The checks are tested where they live
 (test_data, test_hf); here, that the CLIs make one line of each."""
 
+import dataclasses
 import json
 import os
 import re
 import shutil
 
+import jax
+import ml_dtypes
+import numpy as np
+import optax
 import pytest
 import torch
 import transformers
 
+from models.common import params_reader
+from models.config import ModelConfig, saved_model_config
+from models.presets import PRESETS, build, get_config
+import sljax
 from sljax import metrics
 from sljax.checkpoint import newest_checkpoint
+from sljax.generate import SamplingConfig
+from sljax.generate_launch import FiniteWeights, GenerateConfig, NonFiniteWeights, check_layers_and_tokens
+from sljax.optim import OptimConfig, make_optimizer
 
-from helpers import REPO, generate_cases, run_train
+from helpers import REPO, generate_cases, make_batch, run_train
 
 TINY_TRAIN = ["--set=num_layers=2", "--set=hidden_size=32", "--set=intermediate_size=48", "--set=num_heads=2",
               "--set=num_kv_heads=1", "--seq_len=16", "--batch_size=2", "--max_tokens=2000", "--warmup_steps=1",
@@ -146,3 +158,167 @@ def test_generate_reads_relative_checkpoint_paths_and_refuses_bad_inputs_with_on
       assert all(len(r["tokens"]) == 2 for r in outcome["records"]), (case, outcome)
     else:
       assert outcome.get("exit", "").startswith(line) and "\n" not in outcome["exit"], (case, outcome)
+
+
+def test_a_saved_model_keeps_the_fields_that_shape_its_weights():
+  saved = dataclasses.asdict(PRESETS["llama-tiny"])
+  assert saved_model_config(saved, {"dtype": "float32", "rope_theta": 1e6}, "x").dtype == "float32"
+  refusals = {"num_layers=1: x was saved with num_layers=4": {"num_layers": 1},
+              "hidden_size=128: x was saved with hidden_size=256": {"hidden_size": 128, "dtype": "float32"},
+              "num_heads=2, num_kv_heads=1: x was saved with num_heads=4, num_kv_heads=2": {"num_heads": 2,
+                                                                                          "num_kv_heads": 1}}
+  for changed, overrides in refusals.items():
+    with pytest.raises(ValueError) as refused:
+      saved_model_config(saved, overrides, "x")
+    assert str(refused.value) == (f"--set {changed}, which shapes its weights; only fields that keep them (dtype, "
+                                  f"param_dtype, attention, ...) may be set on a saved model")
+  opt = dataclasses.asdict(PRESETS["opt-125m"])
+  with pytest.raises(ValueError, match="max_positions=4096: x was saved with max_positions=2048"):
+    saved_model_config(opt, {"max_positions": 4096}, "x")  # OPT's position embeddings
+  assert saved_model_config(saved, {"max_positions": 4096}, "x").max_positions == 4096  # LLaMA has none
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"num_layers": 0}, "num_layers must be a whole number >= 1, got 0"),
+    ({"num_layers": -2}, "num_layers must be a whole number >= 1, got -2"),
+    ({"num_heads": 0}, "num_heads must be a whole number >= 1, got 0"),
+    ({"vocab_size": 0}, "vocab_size must be a whole number >= 1, got 0"),
+    ({"num_layers": 2.5}, "num_layers must be a whole number >= 1, got 2.5"),
+    ({"dtype": "int8"}, "dtype must be a float dtype (float32, bfloat16, float16), got 'int8'"),
+    ({"param_dtype": "bool"}, "param_dtype must be a float dtype (float32, bfloat16, float16), got 'bool'"),
+    ({"norm_eps": float("nan")}, "norm_eps must be positive and finite, got nan"),
+    ({"hidden_size": 6, "num_heads": 2, "num_kv_heads": 1}, "head_dim 3 (hidden_size / num_heads) must be even"),
+], ids=lambda x: "" if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()))
+def test_model_fields_are_validated_in_one_line(fields, message):
+  with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+    ModelConfig(**fields)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--set=num_layers=0"], "sljax: num_layers must be a whole number >= 1, got 0"),
+    (["--set=num_heads=0"], "sljax: num_heads must be a whole number >= 1, got 0"),
+    (["--set=dtype=int8"], "sljax: dtype must be a float dtype (float32, bfloat16, float16), got 'int8'"),
+    (["--engine=offload", "--set=num_layers=0"], "sljax: num_layers must be a whole number >= 1, got 0"),
+    (["--engine=offload", "--live_layers=3"], "sljax: --live_layers=3: more than the model's 2 layers"),
+    (["--engine=offload", "--tail_layers=3"], "sljax: --tail_layers=3: more than the model's 2 layers"),
+])
+def test_train_refuses_a_model_no_engine_can_build_before_the_workdir_exists(tmp_path, flags, message):
+  with pytest.raises(SystemExit) as info:
+    train_in_process(f"--workdir={tmp_path / 'run'}", *flags)
+  assert str(info.value) == message
+  assert not (tmp_path / "run").exists()
+
+
+def test_generate_refuses_layers_it_does_not_have_and_stop_tokens_outside_the_vocabulary():
+  cfg = PRESETS["llama-tiny"]
+  for request, sampling, message in [
+      (GenerateConfig(live_layers=5), SamplingConfig(), "--live_layers=5: more than the model's 4 layers"),
+      (GenerateConfig(resident_layers=9), SamplingConfig(), "--resident_layers=9: more than the model's 4 layers"),
+      (GenerateConfig(), SamplingConfig(stop_tokens=(2, 256)),
+       "--stop_token 256: outside the model's vocabulary 0..255"),
+      (GenerateConfig(), SamplingConfig(stop_tokens=(-1,)), "--stop_token -1: outside the model's vocabulary 0..255")]:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+      check_layers_and_tokens(request, sampling, cfg)
+  check_layers_and_tokens(GenerateConfig(live_layers=4, resident_layers=4), SamplingConfig(stop_tokens=(255,)), cfg)
+
+
+def test_weights_with_a_nan_are_refused_as_they_are_read():
+  params = {"outer": {"embed": np.ones((4, 2), np.float32)},
+            "layers": {"kernel": np.ones((3, 2, 2), ml_dtypes.bfloat16)}}
+  params["layers"]["kernel"][2, 1, 0] = np.nan
+  reader = FiniteWeights(params_reader(params), "--hf_dir x")
+  assert reader.outer()["embed"].shape == (4, 2) and reader.layers(0, 2)["kernel"].shape == (2, 2, 2)
+  with pytest.raises(NonFiniteWeights, match=r"^--hf_dir x holds a non-finite weight \(nan\) in layer 2, "
+                                             r"\['kernel'\]: refusing to generate from it$"):
+    reader.layers(2, 3)
+
+
+@pytest.mark.slow
+def test_generate_refuses_reshaped_saved_models_and_weights_with_a_nan_in_one_line(tmp_path):
+  train_in_process(f"--workdir={tmp_path / 'run'}", "--steps=2")
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(
+      vocab_size=256, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+      num_key_value_heads=1, max_position_embeddings=64)
+  model = transformers.LlamaForCausalLM(config)
+  model.save_pretrained(tmp_path / "hf")
+  run_train(f"--hf_dir={tmp_path / 'hf'}", f"--workdir={tmp_path / 'lora'}", "--lora_rank=2", "--seq_len=16",
+            "--batch_size=2", "--max_tokens=2000", "--warmup_steps=1", "--steps=1", "--checkpoint_every=1")
+  with torch.no_grad():
+    model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+  model.save_pretrained(tmp_path / "nan")
+  (tmp_path / "prompts.txt").write_text("def fib(n):\n")
+  run, lora = str(tmp_path / "run"), str(tmp_path / "lora")
+  prompts, short = f"--prompt_file={tmp_path / 'prompts.txt'}", "--max_new_tokens=2"
+  cases = {
+      "dtype": ([f"--checkpoint={run}", "--set=dtype=float32", prompts, short], None),
+      "num_layers": ([f"--checkpoint={run}", "--set=num_layers=1", prompts, short],
+                     f"sljax: --set num_layers=1: --checkpoint {run} was saved with num_layers=2, which shapes its "
+                     f"weights; only fields that keep them (dtype, param_dtype, attention, ...) may be set on a saved "
+                     f"model"),
+      "hidden_size": ([f"--checkpoint={run}", "--set=hidden_size=64", prompts, short],
+                      f"sljax: --set hidden_size=64: --checkpoint {run} was saved with hidden_size=32, which shapes"),
+      "lora num_layers": ([f"--lora_checkpoint={lora}", "--set=num_layers=1", prompts, short],
+                          f"sljax: --set num_layers=1: --lora_checkpoint {lora} was saved with num_layers=2, "),
+      "lora dtype": ([f"--lora_checkpoint={lora}", "--set=dtype=float32", prompts, short], None),
+      "nan": ([f"--hf_dir={tmp_path / 'nan'}", prompts, short],
+              f"sljax: --hf_dir {tmp_path / 'nan'} holds a non-finite weight (nan) in layer 1, "),
+      "stop token": ([f"--checkpoint={run}", prompts, "--stop_token=256"],
+                     "sljax: --stop_token 256: outside the model's vocabulary 0..255"),
+  }
+  result = generate_cases([args for args, _ in cases.values()])
+  assert result.returncode == 0 and not _stray_errors(result.stderr), result.stderr
+  for (case, (_, line)), outcome in zip(cases.items(), json.loads(result.stdout.splitlines()[-1])):
+    if line is None:
+      assert len(outcome["records"]) == 1, (case, outcome)
+    else:
+      assert outcome.get("exit", "").startswith(line) and "\n" not in outcome["exit"], (case, outcome)
+
+
+def tiny_model():
+  return build(get_config("llama-tiny", {"num_layers": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                                         "num_kv_heads": 1, "dtype": "float32"}))
+
+
+PER_PARAMETER = {"adamw": optax.adamw(1e-3), "sgd": optax.sgd(0.1), "lion": optax.lion(1e-4),
+                 "the recipe's": make_optimizer(OptimConfig(), clip=False),
+                 "a chain of per-parameter transforms": optax.chain(optax.clip(1.0), optax.scale_by_adam(),
+                                                                    optax.add_decayed_weights(0.1), optax.scale(-1e-3))}
+GLOBAL = {"global-norm clipping": optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
+          "the recipe's with clipping": make_optimizer(OptimConfig()),
+          "lamb (a trust ratio per stacked leaf)": optax.lamb(1e-3)}
+
+
+@pytest.mark.parametrize("name", PER_PARAMETER)
+def test_the_engine_takes_per_parameter_optimizers(name):
+  sljax.Engine(tiny_model(), PER_PARAMETER[name], sljax.EngineConfig(live_layers=1))
+
+
+@pytest.mark.parametrize("name", GLOBAL)
+def test_the_engine_refuses_an_optimizer_it_cannot_apply_group_by_group_exactly(name):
+  with pytest.raises(ValueError, match=r"^the optimizer is not per-parameter: its update of one layer group alone "
+                                       r"differs from its update of the whole model .* set EngineConfig.grad_clip_norm "
+                                       r"\(train.py --grad_clip_norm\), which the engine computes over all groups$"):
+    sljax.Engine(tiny_model(), GLOBAL[name], sljax.EngineConfig(live_layers=1))
+
+
+def test_engine_step_refuses_a_batch_of_the_wrong_keys_or_shapes_naming_the_key():
+  engine = sljax.Engine(tiny_model(), optax.sgd(0.1), sljax.EngineConfig(sub_batches=2))
+  state = engine.init(jax.random.key(0))
+  good = make_batch(np.random.default_rng(0), 4)
+  refusals = {
+      "the batch has no 'weights' (it needs inputs, targets, weights: [B, S] arrays), got keys 'inputs', 'targets'":
+          {key: good[key] for key in ("inputs", "targets")},
+      "batch['targets'] has shape (4, 7); every array of a batch is [B, S], the same for inputs, targets, weights "
+      "(inputs: (4, 8))": dict(good, targets=good["targets"][:, 1:]),
+      "batch['inputs'] has shape (32,); every array": dict(good, inputs=good["inputs"].ravel()),
+      "batch['inputs'] has dtype float32; token ids are integers": dict(good, inputs=good["inputs"].astype(np.float32)),
+      "batch['targets'] holds token id 300, outside the model's vocabulary 0..255": dict(
+          good, targets=np.where(good["targets"] == good["targets"].max(), 300, good["targets"])),
+      "batch['weights'] holds -1.0; weights are >= 0": dict(good, weights=good["weights"] - 1),
+  }
+  for message, batch in refusals.items():
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+      engine.step(state, batch)
+  state, loss = engine.step(state, good)  # nothing was consumed by the refusals
+  assert np.isfinite(loss)

@@ -203,6 +203,18 @@ def test_checkpoint_scale_smoke_resumes_with_the_uninterrupted_losses(tmp_path):
 
 
 @pytest.mark.slow
+def test_resume_placement_smoke_resumes_another_engines_checkpoint_beside_the_uninterrupted_run(tmp_path):
+  result = smoke("resume_placement", tmp_path, "--steps=3", "--save_at=2")
+  assert has_provenance(result, "resume_placement")
+  uninterrupted, saved, resumed = result["runs"]
+  assert [run["returncode"] for run in result["runs"]] == [0, 0, 0]
+  assert sorted(saved["losses"]) == ["1", "2"] and sorted(resumed["losses"]) == ["3"]
+  assert "--engine=device" in resumed["command"] and any("resumed from" in note for note in resumed["notes"])
+  assert resumed["max_rel_diff"] < 1e-4  # another engine's rounding (fp32: measured 2.9e-5)
+  assert saved["max_rel_diff"] == 0.0
+
+
+@pytest.mark.slow
 def test_train_py_run_smoke_reads_the_plan_windows_and_every_loss(tmp_path):
   result = smoke("train_py_run", tmp_path)
   assert result["returncode"] == 0 and result["plan"].startswith("plan for llama-tiny")

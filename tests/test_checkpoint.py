@@ -2,8 +2,10 @@ import errno
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
+import time
 from types import SimpleNamespace
 
 import jax
@@ -15,9 +17,16 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from helpers import make_batch
+from models.presets import build, get_config
+from sljax import checkpoint, steps
 from sljax.checkpoint import (CheckpointCorruptError, Checkpointer, CheckpointMismatchError, CheckpointWriteError,
-                              DiskSpaceError, StateHandler, abstract_like, check_disk)
+                              DiskSpaceError, StateHandler, abstract_like, check_disk, read_params, restore_params)
 from sljax.memory import PeakResident
+from sljax.mesh import make_mesh
+from sljax.optim import OptimConfig, make_optimizer
+from sljax.resume import check_resumable
+from sljax.schedule import EngineConfig
 
 
 def make_state():
@@ -167,6 +176,72 @@ def test_save_and_restore_stay_within_the_staging_budget_on_a_state_many_times_l
   assert restored["host"][3].sharding.memory_kind == "pinned_host"
 
 
+def in_flight(events: list[tuple], start: str, end: str) -> int:
+  """The most parts between their `start` and `end` event at once."""
+  most, now = 0, 0
+  for kind, _ in events:
+    now += (kind == start) - (kind == end)
+    most = max(most, now)
+  return most
+
+
+def test_a_save_copies_the_next_part_while_one_is_written_and_holds_two_parts_at_most(tmp_path, monkeypatch):
+  events, stage, write_part = [], checkpoint._stage, StateHandler._write_part
+
+  def staging(view, runs):
+    events.append(("copy", sum(kind == "copy" for kind, _ in events)))
+    return stage(view, runs)
+
+  def writing(self, directory, index, arrays):
+    events.append(("write", index))
+    time.sleep(0.1)  # a slow disk
+    write_part(self, directory, index, arrays)
+    events.append(("written", index))
+
+  monkeypatch.setattr(checkpoint, "_stage", staging)
+  monkeypatch.setattr(StateHandler, "_write_part", writing)
+  state = {f"w{i}": jnp.full((256,), i, jnp.float32) for i in range(5)}  # 1 KiB each: a part each
+  save_steps_with(tmp_path, state, staging_bytes=checkpoint.PARTS_PER_BUDGET * checkpoint.PARTS_IN_FLIGHT * 1024)
+  assert [index for kind, index in events if kind == "written"] == [0, 1, 2, 3, 4]
+  assert events.index(("copy", 1)) < events.index(("written", 0))  # copied while part 0 was written
+  assert in_flight(events, "copy", "written") == checkpoint.PARTS_IN_FLIGHT
+  monkeypatch.undo()
+  restored = Checkpointer(str(tmp_path), save_every=1).restore_latest(abstract_like(state))[1]
+  assert all(np.array_equal(np.asarray(restored[name]), np.asarray(state[name])) for name in state)
+
+
+def test_a_restore_reads_the_next_part_while_one_is_placed_and_holds_two_parts_at_most(tmp_path, monkeypatch):
+  state = {f"w{i}": jnp.full((256,), i, jnp.float32) for i in range(5)}
+  save_steps_with(tmp_path, state, staging_bytes=checkpoint.PARTS_PER_BUDGET * checkpoint.PARTS_IN_FLIGHT * 1024)
+  events, verify, place = [], checkpoint._verify, checkpoint._place
+
+  def verifying(entry, value):
+    events.append(("read", entry["part"]))
+    verify(entry, value)
+
+  def placing(value, target):
+    index = sum(kind == "place" for kind, _ in events)
+    events.append(("place", index))
+    time.sleep(0.1)  # a slow transfer
+    placed = place(value, target)
+    events.append(("placed", index))
+    return placed
+
+  monkeypatch.setattr(checkpoint, "_verify", verifying)
+  monkeypatch.setattr(checkpoint, "_place", placing)
+  restored = Checkpointer(str(tmp_path), save_every=1).restore_latest(abstract_like(state))[1]
+  assert [index for kind, index in events if kind == "read"] == [0, 1, 2, 3, 4]
+  assert events.index(("read", 1)) < events.index(("placed", 0))  # read while part 0 was placed
+  assert in_flight(events, "read", "placed") == checkpoint.PARTS_IN_FLIGHT
+  assert all(np.array_equal(np.asarray(restored[name]), np.asarray(state[name])) for name in state)
+
+
+def save_steps_with(directory, state, staging_bytes: int):
+  checkpointer = Checkpointer(str(directory), save_every=1, staging_bytes=staging_bytes)
+  checkpointer.save(1, state, {"data_step": 1})
+  checkpointer.close()
+
+
 def data_files(step_dir) -> list[str]:
   files = glob.glob(str(step_dir / "state" / "part_*" / "**" / "d" / "*"), recursive=True)
   return sorted(files, key=os.path.getsize)
@@ -263,3 +338,240 @@ def test_the_disk_is_checked_for_what_the_run_keeps(tmp_path, monkeypatch):
   assert "but 10.0 GB is free; keep fewer (--keep_checkpoints=1)" in str(error.value)
   assert "(--checkpoint_every=0)" in str(error.value) and not (tmp_path / "checkpoints").exists()
   check_disk(str(tmp_path / "checkpoints"), int(4e9), keep=2, saves=1)  # a single save: 2 at once at most
+
+
+# ---- reading without a training state -------------------------------------------------------------------------------
+
+
+def test_read_params_reads_the_model_params_of_either_engines_state_by_layer_range(tmp_path):
+  """read_params' contract, which sljax.export writes from: .meta, .num_layers, outer() and layers(start, stop) as
+  host numpy arrays equal to the saved params, from the device engine's state and from the offload engine's (layer
+  groups of 2, 1 and 2 layers, whatever range is asked across them), with no optimizer state in what is returned."""
+  from sljax.checkpoint import read_params
+
+  rng = np.random.default_rng(0)
+  layers = {"q_proj": {"kernel": rng.normal(size=(5, 4, 4)).astype(np.float32)},
+            "norm": {"scale": rng.normal(size=(5, 4)).astype(np.float32)}}
+  outer = {"embed_tokens": {"embedding": rng.normal(size=(8, 4)).astype(np.float32)}}
+  groups = [jax.tree.map(lambda x, a=a, b=b: x[a:b], layers) for a, b in ((0, 2), (2, 3), (3, 5))]
+  states = {"device": {"params": {"outer": outer, "layers": layers}, "opt_state": {"mu": {"outer": outer}}},
+            "offload": {"step": np.int32(3), "outer": outer, "outer_opt": {"mu": outer},
+                        "groups": [{"master": g, "opt": {"mu": g}} for g in groups]}}
+  for name, state in states.items():
+    checkpointer = Checkpointer(str(tmp_path / name / "checkpoints"), save_every=1, staging_bytes=4 * 200)
+    checkpointer.save(3, jax.tree.map(jnp.asarray, state), {"model_config": {"num_layers": 5}, "run": name})
+    checkpointer.close()
+    reader = read_params(str(tmp_path / name))
+    assert reader.meta == {"model_config": {"num_layers": 5}, "run": name} and reader.num_layers == 5, name
+    assert jax.tree.structure(reader.outer()) == jax.tree.structure(outer)
+    for got, want in zip(jax.tree.leaves(reader.outer()), jax.tree.leaves(outer)):
+      assert isinstance(got, np.ndarray)
+      np.testing.assert_array_equal(got, want)
+    for start, stop in ((0, 5), (0, 1), (1, 4), (2, 3), (4, 5)):
+      got = reader.layers(start, stop)
+      assert jax.tree.structure(got) == jax.tree.structure(layers), (name, start, stop)
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(layers)):
+        assert isinstance(a, np.ndarray)
+        np.testing.assert_array_equal(a, b[start:stop])
+    for start, stop in ((0, 6), (3, 3), (-1, 2)):
+      with pytest.raises(ValueError, match=f"layers {start}..{stop} are outside the checkpoint's 5"):
+        reader.layers(start, stop)
+  with pytest.raises(ValueError, match="holds no checkpoint"):
+    read_params(str(tmp_path / "nothing"))
+  save_steps(tmp_path / "adapters", {"adapters": {"a": jnp.ones(3)}, "opt": {"a": jnp.ones(3)}}, [1])
+  with pytest.raises(ValueError, match="holds no model parameters sljax knows \\(keys: adapters, opt\\)"):
+    read_params(str(tmp_path / "adapters"))
+
+
+# ---- any placement resumes a checkpoint (sljax.checkpoint_layout) ---------------------------------------------------
+
+
+def placement_model(dtype: str = "bfloat16"):
+  # bf16 compute: a host group keeps a compute copy of its weights, which a checkpoint must not hold.
+  return build(get_config("llama-tiny", dict(num_layers=4, hidden_size=32, intermediate_size=48, num_heads=2,
+                                             num_kv_heads=1, dtype=dtype)))
+
+
+def placed_step(model, name: str, clip: float = 0.0, moments: str = "float32") -> steps.StepFunctions:
+  """The training step of one placement of `model`: the engine, its layer groups, memory and mesh."""
+  optim = OptimConfig(learning_rate=1e-2, warmup_steps=1, decay_steps=8, grad_clip_norm=clip, moments_dtype=moments)
+  offload = lambda mesh=None, **cfg: steps.offloaded(model, optim, EngineConfig(grad_clip_norm=clip, **cfg), mesh)
+  return {
+      "offload, groups of 1 and a tail of 1, state on host": lambda: offload(live_layers=1, tail_layers=1,
+                                                                             sub_batches=2),
+      "offload, groups of 2, one group's state on the device": lambda: offload(live_layers=2, sub_batches=2,
+                                                                              device_state_groups=1),
+      "device": lambda: steps.all_on_device(model, make_optimizer(optim)),
+      "offload over fsdp:2": lambda: offload(make_mesh({"fsdp": 2}), live_layers=2),
+      "device over data:2": lambda: steps.all_on_device(model, make_optimizer(optim), mesh=make_mesh({"data": 2})),
+  }[name]()
+
+
+ONE_DEVICE_HOST = "offload, groups of 1 and a tail of 1, state on host"
+TWO_GROUPS = "offload, groups of 2, one group's state on the device"
+
+
+def placement_batches(count: int) -> list[dict]:
+  rng = np.random.default_rng(0)
+  return [make_batch(rng, 4) for _ in range(count)]
+
+
+# Parts of 16 KiB: the tiny model's stacked layer leaves (24 KiB) are saved a slice of layers at a time from device
+# memory, and restored into it in chunks joined on the device.
+PLACEMENT_STAGING = 8 * 16 * 2**10
+
+
+def save_placed(directory, step_functions, state, step: int = 1):
+  checkpointer = Checkpointer(str(directory), save_every=1, staging_bytes=PLACEMENT_STAGING)
+  checkpointer.save(step, step_functions.checkpoint(step_functions.settle(state)), {"data_step": step})
+  checkpointer.close()
+
+
+def restore_placed(directory, step_functions):
+  checkpointer = Checkpointer(str(directory), save_every=1, staging_bytes=PLACEMENT_STAGING)
+  restored = checkpointer.restore_latest(step_functions.checkpoint_target(jax.random.key(0)))
+  checkpointer.close()
+  return restored
+
+
+def saved_arrays(step_dir) -> dict[str, tuple]:
+  return {entry["name"]: (entry["dtype"], entry["shape"], entry["crc32"])
+          for entry in json.loads((step_dir / "state" / "manifest.json").read_text())["arrays"]}
+
+
+def test_an_engine_checkpoint_holds_each_layers_master_weights_and_optimizer_state_and_no_compute_copy(tmp_path):
+  model = placement_model()
+  offload = placed_step(model, ONE_DEVICE_HOST)
+  state = offload.init(jax.random.key(0))
+  assert "weights" in state["groups"][0]  # what the host groups keep, and a checkpoint does not
+  save_placed(tmp_path, offload, state)
+  arrays = saved_arrays(tmp_path / "1")
+  for path, x in jax.tree_util.tree_flatten_with_path(state["groups"][2]["master"])[0]:  # group 2 is layer 2
+    leaf = ".".join(str(entry.key) for entry in path)
+    assert arrays[f"layers.2.{leaf}"][1] == list(x.shape[1:])  # no leading layer axis
+    assert arrays[f"layers_opt.2.mu.{leaf}"][1] == arrays[f"layers_opt.2.nu.{leaf}"][1] == list(x.shape[1:])
+  assert sorted({name.split(".")[0] for name in arrays}) == ["layers", "layers_opt", "opt_scalars", "outer",
+                                                             "outer_opt", "step"]
+  assert sorted({int(name.split(".")[1]) for name in arrays if name.startswith("layers")}) == [0, 1, 2, 3]
+  assert not [name for name in arrays if "weights" in name]
+  assert [name for name in arrays if name.startswith("opt_scalars")] == ["opt_scalars.0.count", "opt_scalars.1.count"]
+  master_bytes = 4 * model.cfg.param_count()
+  saved = sum(np.prod(shape, dtype=np.int64) * np.dtype(dtype).itemsize for dtype, shape, _ in arrays.values())
+  assert saved < 3 * master_bytes + 64  # master + two fp32 moments (and the scalars): no compute copy
+
+
+@pytest.mark.parametrize("saved, restored, clip", [
+    (ONE_DEVICE_HOST, "device", 0.0),
+    pytest.param("device", TWO_GROUPS, 0.0, marks=pytest.mark.slow),
+    pytest.param(ONE_DEVICE_HOST, TWO_GROUPS, 1e-3, marks=pytest.mark.slow),  # clipping: the state settled first
+    pytest.param(ONE_DEVICE_HOST, "offload over fsdp:2", 0.0, marks=pytest.mark.slow),  # 1 device to a 2-device mesh
+    pytest.param("device", "device over data:2", 0.0, marks=pytest.mark.slow),
+])
+def test_any_placement_restores_a_checkpoint_to_the_same_arrays(tmp_path, saved, restored, clip):
+  """Restored into another engine, layer grouping, memory placement or mesh, a state saves back the arrays it was
+  restored from, bit for bit (each array's CRC-32)."""
+  model = placement_model()
+  first = placed_step(model, saved, clip)
+  state, _ = first.step(first.init(jax.random.key(0)), placement_batches(1)[0])  # optimizer state worth saving
+  save_placed(tmp_path / "saved", first, state)
+  second = placed_step(model, restored, clip)
+  step, state, _ = restore_placed(tmp_path / "saved", second)
+  assert step == 1
+  save_placed(tmp_path / "again", second, state)
+  assert saved_arrays(tmp_path / "again" / "1") == saved_arrays(tmp_path / "saved" / "1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved, restored, clip, rtol", [
+    (ONE_DEVICE_HOST, ONE_DEVICE_HOST, 0.0, 0),  # the same math: bit-equal
+    (ONE_DEVICE_HOST, "device", 0.0, 1e-5),  # another engine: other reduction orders
+    ("device", TWO_GROUPS, 0.0, 1e-5),
+    (ONE_DEVICE_HOST, TWO_GROUPS, 1e-3, 1e-5),  # clipping on, the global norm summed over other groups
+    (ONE_DEVICE_HOST, "offload over fsdp:2", 0.0, 1e-5),  # the gradient reduce-scattered over 2 devices
+])
+def test_the_steps_after_a_restore_into_another_placement_continue_the_run(tmp_path, saved, restored, clip, rtol):
+  """In fp32: in bf16 the engines' own sums differ by more (their gradients' rounding, which Adam's first steps
+  amplify), while the arrays restored are the same either way (the test above)."""
+  model = placement_model("float32")
+  batches = placement_batches(4)
+  first = placed_step(model, saved, clip)
+  state = first.init(jax.random.key(0))
+  for batch in batches[:2]:
+    state, _ = first.step(state, batch)
+  state = first.settle(state)
+  save_placed(tmp_path, first, state, step=2)
+  uninterrupted = []
+  for batch in batches[2:]:  # the second of them needs the optimizer state too
+    state, loss = first.step(state, batch)
+    uninterrupted.append(float(loss))
+  second = placed_step(model, restored, clip)
+  _, state, _ = restore_placed(tmp_path, second)
+  resumed = []
+  for batch in batches[2:]:
+    state, loss = second.step(state, batch)
+    resumed.append(float(loss))
+  if rtol:
+    np.testing.assert_allclose(resumed, uninterrupted, rtol=rtol)
+  else:
+    assert resumed == uninterrupted
+
+
+@pytest.mark.slow
+def test_a_first_moment_saved_in_bf16_restores_as_fp32_and_back(tmp_path, caplog):
+  model = placement_model()
+  bf16 = placed_step(model, ONE_DEVICE_HOST, moments="bfloat16")
+  state, _ = bf16.step(bf16.init(jax.random.key(0)), placement_batches(1)[0])
+  save_placed(tmp_path / "bf16", bf16, state)
+  fp32 = placed_step(model, TWO_GROUPS, moments="float32")
+  _, restored, _ = restore_placed(tmp_path / "bf16", fp32)
+  assert "optimizer state cast bfloat16 -> float32" in caplog.text
+  assert {x.dtype for x in jax.tree.leaves(restored["groups"][0]["opt"][0].mu)} == {jnp.dtype(jnp.float32)}
+  save_placed(tmp_path / "fp32", fp32, restored)
+  back = restore_placed(tmp_path / "fp32", placed_step(model, ONE_DEVICE_HOST, moments="bfloat16"))[1]
+  save_placed(tmp_path / "again", bf16, back)  # bf16 -> fp32 is exact, so fp32 -> bf16 gives the saved values
+  assert saved_arrays(tmp_path / "again" / "1") == saved_arrays(tmp_path / "bf16" / "1")
+
+
+@pytest.mark.slow
+def test_params_read_back_from_a_checkpoint_of_either_format_are_the_models(tmp_path):
+  model = placement_model()
+  offload = placed_step(model, TWO_GROUPS)
+  state, _ = offload.step(offload.init(jax.random.key(0)), placement_batches(1)[0])
+  state = offload.settle(state)
+  params = jax.device_get(engine_params(offload, state))
+  save_placed(tmp_path / "new", offload, state)
+  save_placed(tmp_path / "old", steps.StepFunctions(*offload[:5]), state)  # the state as held: format 1's layout
+  as_format_1(tmp_path / "old" / "1")
+  for name in ("new", "old"):
+    got = restore_params(str(tmp_path / name))
+    assert jax.tree.structure(got) == jax.tree.structure(params)
+    for want, value in zip(jax.tree.leaves(params), jax.tree.leaves(got)):
+      np.testing.assert_array_equal(value, want)
+    middle = read_params(str(tmp_path / name)).layers(1, 3)
+    for want, value in zip(jax.tree.leaves(params["layers"]), jax.tree.leaves(middle), strict=True):
+      np.testing.assert_array_equal(value, want[1:3])
+
+
+def as_format_1(step_dir):
+  manifest = step_dir / "state" / "manifest.json"
+  stored = json.loads(manifest.read_text())
+  manifest.write_text(json.dumps({**stored, "format": 1}))
+
+
+def engine_params(step_functions, state):
+  return step_functions.step.__self__.params(state)  # the offload engine whose step it is
+
+
+def test_a_format_1_engine_checkpoint_is_refused_in_one_line_that_says_what_to_do(tmp_path):
+  model = placement_model()
+  offload = placed_step(model, TWO_GROUPS)
+  save_placed(tmp_path / "checkpoints", steps.StepFunctions(*offload[:5]), offload.init(jax.random.key(0)))
+  as_format_1(tmp_path / "checkpoints" / "1")
+  with pytest.raises(ValueError) as error:
+    check_resumable(str(tmp_path))
+  assert str(error.value) == (
+      f"checkpoint {tmp_path / 'checkpoints' / '1'} is in sljax's checkpoint format 1, which held the engine's memory "
+      f"layout and which this sljax does not resume: finish that run with the sljax that wrote it, or start afresh in "
+      f"another --workdir")
+  with pytest.raises(CheckpointMismatchError, match=re.escape(str(error.value))):  # a library caller's restore
+    restore_placed(tmp_path / "checkpoints", offload)

@@ -238,3 +238,67 @@ def test_tfrecord_dataset_is_refused(data_dir, tmp_path):
   (copy / "dataset_info.json").write_text(json.dumps(info))
   with pytest.raises(ValueError, match="stored as tfrecord; random access needs array_record"):
     data.make_source(tiny_config(str(tmp_path)), max_positions=16)
+
+
+# ---- held-out text (train.py --eval_every) -----------------------------------------------------------------------
+
+BYTES = data.load_tokenizer(None)
+
+
+def test_stdlib_held_out_slice_is_the_whole_documents_after_the_training_stream():
+  """The training stream is what it was without a held-out slice (pack's first max_tokens); the held-out stream
+  starts at the first document after the one the training stream ends in, so no training window reads any of it."""
+  cfg = data.DataConfig(seq_len=64, batch_size=4, max_tokens=5000, eval_tokens=3000)
+  source = data.make_source(cfg, max_positions=64, held_out=True)
+  np.testing.assert_array_equal(source.tokens, data.pack(data.stdlib_documents(), BYTES, 5000))
+  stream, starts = b"", []
+  for document in data.stdlib_documents():
+    starts.append(len(stream))
+    stream += document + b"\0"
+    if len(stream) > 5000 + 3000 + 1000:
+      break
+  first = min(start for start in starts if start >= 5000)
+  assert bytes(source.held_out) == stream[first:first + 3000]
+  assert bytes(source.held_out[:100]) not in bytes(source.tokens)  # its documents are not trained on
+  assert bytes(source.tokens) == stream[:5000]
+
+
+def test_a_corpus_too_short_for_both_gives_up_its_last_documents():
+  documents = [bytes([65 + i]) * 10 for i in range(5)]  # 5 documents of 11 tokens with their separators
+  stream = b"".join(d + b"\0" for d in documents)
+  train, held = data.hold_out(documents, BYTES, max_tokens=20, held_out=15)  # enough after: 22..54
+  assert bytes(train) == stream[:20] and bytes(held) == stream[22:37]
+  train, held = data.hold_out(documents, BYTES, max_tokens=100, held_out=20)  # the last 2 documents leave 22
+  assert bytes(train) == stream[:33] and bytes(held) == stream[33:53]
+
+
+def test_eval_batches_are_fixed_consecutive_windows_of_the_held_out_stream():
+  cfg = data.DataConfig(seq_len=16, batch_size=3, max_tokens=5000, eval_tokens=1000)
+  source = data.make_source(cfg, max_positions=16, held_out=True)
+  batches = source.eval_batches(2)
+  assert [b["inputs"].shape for b in batches] == [(3, 16)] * 2 and all(b["weights"].all() for b in batches)
+  windows = np.concatenate([np.concatenate([b["inputs"], b["targets"][:, -1:]], 1) for b in batches])
+  np.testing.assert_array_equal(windows, [source.held_out[j * 16: j * 16 + 17] for j in range(6)])
+  again = source.with_config(cfg).eval_batches(2)  # a later evaluation, and one after the plan set the batch
+  for a, b in zip(batches, again):
+    np.testing.assert_array_equal(a["inputs"], b["inputs"])
+  wider = source.with_config(data.DataConfig(seq_len=16, batch_size=6, max_tokens=5000, eval_tokens=1000))
+  np.testing.assert_array_equal(wider.eval_batches(1)[0]["inputs"], windows[:, :-1])
+  with pytest.raises(ValueError, match=r"^--eval_batches=21 of 3 x 16 tokens need 1009 tokens of held-out text; "
+                                       r"stdlib's held-out slice has 1000 \(--eval_tokens=1000\)"):
+    source.eval_batches(21)
+
+
+def test_tfds_held_out_text_is_the_eval_split(data_dir):
+  source = data.make_source(tiny_config(data_dir), max_positions=16, held_out=True)
+  assert bytes(source.held_out).decode().split("\0")[:-1] == [
+      ex["text"].decode() for ex in tfds.data_source("sljax_tiny_text", split="validation", data_dir=data_dir)]
+  assert sorted(bytes(source.tokens).decode().split("\0")[:-1]) == sorted(DOCUMENTS)  # training: the train split
+  assert source.eval_batches(1)[0]["inputs"].shape == (3, 16)
+  with pytest.raises(ValueError, match="no held-out text was read"):
+    data.make_source(tiny_config(data_dir), max_positions=16).eval_batches(1)
+  with pytest.raises(ValueError, match=r"bad --eval_split 'test': .*--split=train\[:99%\] --eval_split=train\[99%:\]"):
+    data.make_source(tiny_config(data_dir, eval_split="test"), max_positions=16, held_out=True)
+  sliced = data.make_source(tiny_config(data_dir, split="train[:90%]", eval_split="train[90%:]"), max_positions=16,
+                            held_out=True)
+  assert not set(bytes(sliced.held_out).split(b"\0")[:-1]) & set(bytes(sliced.tokens).split(b"\0")[:-1])

@@ -331,3 +331,91 @@ def test_a_state_the_caller_drops_is_freed_whole(clip):
   del state, loss
   gc.collect()
   assert not live() - before
+
+
+# ---- held-out evaluation: Engine.eval_loss --------------------------------------------------------------------
+
+@functools.cache
+def _loss(model):
+  return jax.jit(model.loss)
+
+
+# The fidelity tests' schedule shapes (both families; 4, 2 and 1 sub-batches; 3 + 1 layers, 1 + 1 + 2 with a tail,
+# one group of 4), each with another placement of the state and the stash; and a data x fsdp mesh of 4 devices.
+EVAL_CASES = {
+    "llama-4-sub-batches": ("llama-gqa", 4, 3, 0, dict(device_state_groups=1)),
+    "opt-tail-stash-on-device": ("opt-350m-shape", 2, 1, 2, dict(device_state_groups=0, activations_on_host=False)),
+    "opt-one-group-on-device": ("opt-pre", 1, 4, 0, dict(device_state_groups=1)),
+    "llama-mesh-2x2": ("llama-gqa", 2, 3, 0, dict(device_state_groups=1, mesh={"data": 2, "fsdp": 2})),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case == "opt-one-group-on-device"
+                                  else case for case in EVAL_CASES])
+def test_eval_loss_is_the_models_loss_fp32(case):
+  """Forward only, layer-major, every sub-batch through each group's one fetch: model.loss on the same params and
+  batch (masked tokens, and a batch whose weights are all 0), within 1e-6 in fp32."""
+  from sljax.memory import Placement
+  from sljax.mesh import make_mesh
+
+  shape, sub_batches, live_layers, tail_layers, placement = EVAL_CASES[case]
+  mesh = placement.pop("mesh", None)
+  model = _model(tuple(sorted(dict(MODEL_SHAPES[shape], num_layers=4, remat=False).items())), "float32")
+  engine_cfg = EngineConfig(sub_batches=sub_batches, live_layers=live_layers, tail_layers=tail_layers, **placement)
+  engine = (Engine(model, _optimizer("adamw"), engine_cfg, Placement(make_mesh(mesh))) if mesh
+            else _engine(model, engine_cfg, "adamw"))
+  params, rng = init_params(model, 1), np.random.default_rng(2)
+  state = engine.from_params(params)
+  batches = [make_batch(rng, 8, 8), make_batch(rng, 8, 8)]
+  batches[1]["weights"][:] = 0
+  for batch in batches:
+    got, want = float(engine.eval_loss(state, batch)), float(_loss(model)(params, batch))
+    assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # nothing donated
+
+
+@pytest.mark.parametrize("clip", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
+def test_a_step_after_an_eval_is_the_step_without_it_bit_for_bit(clip):
+  """An evaluation changes no state: two steps with evaluations between them leave the same losses and state, bit
+  for bit, as two steps without. With clipping the first step parks its updates: eval_loss refuses that state,
+  `evaluate` applies them as its forward goes (the state it returns is `settle`'s); either way the loss is
+  model.loss on the first step's updated params."""
+  model = _model(tuple(sorted(dict(MODEL_SHAPES["llama-gqa"], num_layers=4, remat=False).items())), "float32")
+  engine = _engine(model, EngineConfig(sub_batches=4, live_layers=3, grad_clip_norm=clip, device_state_groups=1),
+                   "adamw")
+  params, rng = init_params(model, 3), np.random.default_rng(4)
+  first, second, held_out = (make_batch(rng, 8, 8) for _ in range(3))
+  runs = []
+  for evaluate in (False, True):
+    state, _ = engine.step(engine.from_params(params), first)
+    if evaluate:
+      assert ("parked" in state) == (clip > 0)
+      want = float(_loss(model)(engine.params(state), held_out))
+      if clip:
+        with pytest.raises(ValueError, match="parked updates"):
+          engine.eval_loss(state, held_out)
+      state, loss = engine.evaluate(state, held_out)
+      assert "parked" not in state and abs(float(loss) - want) <= 1e-6 * want
+      assert want != float(_loss(model)(params, held_out))
+      assert float(engine.eval_loss(state, held_out)) == float(loss)  # the settled state, evaluated again
+    state, loss = engine.step(state, second)
+    runs.append((float(loss), [np.asarray(x) for x in jax.tree.leaves(state)]))
+  assert runs[0][0] == runs[1][0]
+  for without, with_eval in zip(runs[0][1], runs[1][1], strict=True):
+    np.testing.assert_array_equal(with_eval, without)
+
+
+def test_evaluate_applies_parked_updates_as_settle_does_bit_for_bit():
+  """`evaluate` on a clipped step's state returns what `settle` returns, with the host groups' state streamed in
+  ahead of their forward as the step does."""
+  model = _model(tuple(sorted(dict(MODEL_SHAPES["llama-gqa"], num_layers=4, remat=False).items())), "float32")
+  engine = _engine(model, EngineConfig(sub_batches=4, live_layers=3, grad_clip_norm=1.0, device_state_groups=1),
+                   "adamw")  # the bit-for-bit test's engine: its calls are compiled
+  params, rng = init_params(model, 5), np.random.default_rng(6)
+  batch, held_out = make_batch(rng, 8, 8), make_batch(rng, 8, 8)
+  settled = [engine.settle(engine.step(engine.from_params(params), batch)[0]),
+             engine.evaluate(engine.step(engine.from_params(params), batch)[0], held_out)[0]]
+  assert sorted(engine.state_on_device) == [False, True]  # a host group, whose state streams in for its update
+  for a, b in zip(*(jax.tree.leaves(state) for state in settled), strict=True):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -352,3 +352,31 @@ def test_live_bytes_after_every_dispatch_stay_within_the_plan(layers_short):
   device = sum(plan.device_bytes.values()) - plan.device_bytes[SCRATCH]
   host = sum(plan.host_bytes.values())
   assert peaks["device"] <= device and peaks[HOST] <= host, (peaks, device, host)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,sub_batches,live_layers,resident_layers", [("llama", 4, 2, 1), ("opt", 2, 1, 0)])
+def test_eval_loss_is_the_lora_models_loss_and_changes_nothing(family, sub_batches, live_layers, resident_layers):
+  """Forward only through the streamed base and the adapters: the LoraModel's loss in fp32 (1e-6), the state
+  unchanged (a step after it is the step without it, bit for bit)."""
+  model = _model(family, rank=4)
+  engine = LoraEngine(model, optax.adamw(1e-2), LoraEngineConfig(sub_batches=sub_batches, live_layers=live_layers,
+                                                                 resident_layers=resident_layers))
+  engine.load_base(model.base.init(jax.random.key(0)))
+  base = engine.base_params()
+  adapters = _random_adapters(model, base["layers"], 1)
+  rng = np.random.default_rng(2)
+  batch, held_out = make_batch(rng, 8, 8), make_batch(rng, 8, 8)
+  want = float(jax.jit(model.loss)({"outer": base["outer"], "layers": join_adapters(base["layers"], adapters)},
+                                   held_out))
+  runs = []
+  for evaluate in (False, True):
+    state = engine.from_adapters(adapters)
+    if evaluate:
+      got = float(engine.eval_loss(state, held_out))
+      assert abs(got - want) <= 1e-6 * want, (got, want)
+    state, loss = engine.step(state, batch)
+    runs.append((float(loss), [np.asarray(x) for x in jax.tree.leaves(state)]))
+  assert runs[0][0] == runs[1][0]
+  for without, with_eval in zip(runs[0][1], runs[1][1], strict=True):
+    np.testing.assert_array_equal(with_eval, without)

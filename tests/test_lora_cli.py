@@ -1,6 +1,6 @@
 """LoRA from the command line: train.py --lora_rank fine-tunes adapters on a frozen Hugging Face base, checkpoints
 only them (and where the base is), resumes bit for bit and refuses to resume on another base; generate.py
---lora_checkpoint generates from the merged model; sljax.lora_export writes it for transformers."""
+--lora_checkpoint generates from the merged model; sljax.export writes it for transformers."""
 
 import json
 import os
@@ -19,7 +19,7 @@ from sljax.checkpoint import newest_checkpoint, read_manifest
 from sljax.generate import SamplingConfig, generate_on_device
 from sljax.lora.checkpoint import open_checkpoint, read_adapters
 from sljax.lora.model import LoraModel, join_adapters, merge
-from sljax.lora_export import ExportConfig, export
+from sljax.export import ExportConfig, export
 
 from helpers import generate_cases, run_train
 

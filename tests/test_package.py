@@ -20,8 +20,8 @@ from sljax.machines import MEMORY_FRACTION_ENV, PINNED_POOL_ENV, XLA_MEMORY_FRAC
 
 from helpers import REPO
 
-# The command lines in the package, and `python -m sljax.lora_export`.
-CLIS = ["sljax/cli/train.py", "sljax/cli/generate.py", "sljax/lora_export.py"]
+# The command lines in the package.
+CLIS = ["sljax/cli/train.py", "sljax/cli/generate.py", "sljax/export.py"]
 
 
 def read_pyproject() -> dict:
@@ -39,7 +39,8 @@ def test_dependencies_are_the_runtime_part_of_requirements_txt():
 
 def test_console_scripts_are_the_cli_modules_consoles():
   scripts = read_pyproject()["project"]["scripts"]
-  assert scripts == {"sljax-train": "sljax.cli.train:console", "sljax-generate": "sljax.cli.generate:console"}
+  assert scripts == {"sljax-train": "sljax.cli.train:console", "sljax-generate": "sljax.cli.generate:console",
+                     "sljax-export": "sljax.export:console"}
   for target in scripts.values():
     module, function = target.split(":")
     tree = ast.parse(open(os.path.join(REPO, *module.split(".")) + ".py").read())
@@ -180,6 +181,7 @@ def test_the_wheel_holds_the_packages_and_the_console_scripts(wheel):
   (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
   text = zipfile.ZipFile(wheel).read(entry_points).decode()
   assert "sljax-train = sljax.cli.train:console" in text and "sljax-generate = sljax.cli.generate:console" in text
+  assert "sljax-export = sljax.export:console" in text
 
 
 @pytest.mark.slow

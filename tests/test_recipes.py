@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 from absl import flags
 
@@ -9,7 +10,7 @@ from models.presets import PRESETS
 from sljax import launch
 from sljax.cli import train
 from sljax.request import LaunchConfig, Request
-from sljax.optim import RECIPES, recipe_for
+from sljax.optim import RECIPES, learning_rate_schedule, recipe_for
 from sljax.trainer import RunConfig
 
 LLAMA2 = dict(b1=0.9, b2=0.95, eps=1e-5, weight_decay=0.1, grad_clip_norm=1.0, warmup_steps=2000,
@@ -55,18 +56,35 @@ def test_flags_replace_recipe_fields(capsys):
   assert capsys.readouterr().out == ""  # nothing adapted, nothing to say
 
 
-def test_a_short_run_shrinks_warmup_and_decay_with_one_notice(capsys):
-  _, _, optim, _, _ = parse("--model=llama13b", "--steps=5")
-  assert (optim.warmup_steps, optim.decay_steps) == (2, 5)
+def test_a_short_run_keeps_the_recipes_warmup_and_never_reaches_the_peak(capsys):
+  _, _, optim, _, _ = parse("--model=llama13b", "--steps=20")
+  assert (optim.warmup_steps, optim.decay_steps) == (2000, 0)  # the ramp only: no decay
   notes = capsys.readouterr().out.splitlines()
-  assert len(notes) == 1 and "warming up over 2 (half the run)" in notes[0]
-  _, _, optim, _, _ = parse("--model=llama13b", "--steps=3999")  # warmup never takes more than half a run
-  assert (optim.warmup_steps, optim.decay_steps) == (1999, 3999)
-  _, _, optim, _, _ = parse("--model=llama13b", "--steps=4000")
-  assert (optim.warmup_steps, optim.decay_steps) == (2000, 4000)
-  capsys.readouterr()
+  assert notes == ["note: --steps=20 ends within the 2000 warmup steps: the learning rate rises to 2.85e-06 by the "
+                   "last step (0.9% of the peak 0.0003) and no decay follows, the first 20 steps of a long run's "
+                   "schedule (--warmup_steps, --decay_steps set them)"]
+  for steps in (2001, 3999, 4000, 10_000):  # longer than the warmup: the recipe's warmup, then a decay over the rest
+    _, _, optim, _, _ = parse("--model=llama13b", f"--steps={steps}")
+    assert (optim.warmup_steps, optim.decay_steps) == (2000, steps)
+  assert capsys.readouterr().out == ""
   _, _, optim, _, _ = parse("--model=llama13b", "--steps=5", "--warmup_steps=2")  # the user's warmup stands
   assert (optim.warmup_steps, optim.decay_steps) == (2, 5)
+
+
+@pytest.mark.parametrize("model", ["llama13b", "opt-13b"])
+def test_a_short_runs_rates_are_the_first_steps_of_the_long_runs(model, capsys):
+  """The smoke run (20 steps) follows the recipe's warmup ramp: each update's rate is that of the same update of a
+  100,000-step run, at most 1% of the peak; the old rule (warmup over half the run) reached the peak at update 11."""
+  short, long = (learning_rate_schedule(parse(f"--model={model}", f"--steps={steps}")[2]) for steps in (20, 100_000))
+  peak = RECIPES[model].optim.learning_rate
+  rates = [float(short(n)) for n in range(20)]  # update n + 1 runs at rate(n)
+  np.testing.assert_allclose(rates, [float(long(n)) for n in range(20)], rtol=1e-6)
+  np.testing.assert_allclose(rates, [peak * n / 2000 for n in range(20)], rtol=1e-4)  # fp32 arithmetic
+  assert max(rates) < 0.01 * peak
+  long_cfg = parse(f"--model={model}", "--steps=100000")[2]  # a long run: warmup, then the decay to the floor
+  assert (long_cfg.warmup_steps, long_cfg.decay_steps) == (2000, 100_000)
+  np.testing.assert_allclose([float(long(n)) for n in (1000, 2000, 100_000, 200_000)],
+                             [peak / 2, peak, 0.1 * peak, 0.1 * peak], rtol=1e-5)
 
 
 def test_a_library_request_gets_the_decisions_and_lines_of_its_flags(capsys):
@@ -75,7 +93,7 @@ def test_a_library_request_gets_the_decisions_and_lines_of_its_flags(capsys):
   request = Request(LaunchConfig(model="llama13b"), RunConfig(steps=5), data={"seq_len": 1024},
                            optim={"b2": 0.99})
   assert launch.resolve(request) == from_flags and capsys.readouterr().out == printed
-  assert "warming up over 2 (half the run)" in printed
+  assert "note: --steps=5 ends within the 2000 warmup steps" in printed
   with pytest.raises(ValueError, match=r"^give --model or --hf_dir \(whose config.json names the model\), not both$"):
     LaunchConfig(model="llama7b", hf_dir="Llama-2-7b-hf")
   with pytest.raises(ValueError, match="^--engine must be one of 'auto', 'device', 'offload', got 'gpu'$"):

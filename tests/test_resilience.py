@@ -117,13 +117,45 @@ def test_killed_and_stopped_runs_resume_with_the_losses_of_an_uninterrupted_run(
     np.testing.assert_allclose(loss, expected[n], rtol=1e-6, err_msg=f"step {n}, killed after step {kill_at}")
 
 
-def test_stop_signal_is_caught_once_then_acts_as_before():
+class Exited(BaseException):
+  """What trainer._exit_now raises in these tests instead of ending the process."""
+
+
+def exit_raises(monkeypatch):
+  def exit_now(code):
+    raise Exited(code)
+
+  monkeypatch.setattr(trainer, "_exit_now", exit_now)
+
+
+def test_a_second_stop_signal_is_answered_and_a_third_aborts_saying_what_is_lost(monkeypatch, capfd):
+  exit_raises(monkeypatch)
   with trainer.StopSignal() as stop:
-    os.kill(os.getpid(), signal.SIGINT)
-    assert stop.received == "SIGINT"
-    with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice still interrupts
+    stop.step, stop.saved = 7, 5
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.received == "SIGTERM"
+    os.kill(os.getpid(), signal.SIGINT)  # 20-100 ms later, say: once it killed the run and lost steps 6 and 7
+    assert stop.received == "SIGTERM"
+    stop.step = 8
+    with pytest.raises(Exited) as exited:
       os.kill(os.getpid(), signal.SIGINT)
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  assert exited.value.args == (128 + signal.SIGINT,)
+  assert capfd.readouterr().err.splitlines() == [
+      "sljax: SIGTERM: finishing the step in flight, then saving it; a third signal aborts at once",
+      "sljax: SIGINT again: still stopping cleanly; one more aborts at once and loses the steps since checkpoint 5, "
+      "up to step 7",
+      "sljax: SIGINT a third time: aborted; lost: the steps since checkpoint 5, up to step 8"]
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers before it are back
+
+
+def test_a_signal_outside_the_step_loop_ends_the_process_at_once_in_one_line(monkeypatch, capfd):
+  exit_raises(monkeypatch)
+  with pytest.raises(Exited) as exited, trainer.ExitOnSignal():
+    os.kill(os.getpid(), signal.SIGTERM)
+  assert exited.value.args == (128 + signal.SIGTERM,)
+  assert capfd.readouterr().err == ("sljax: SIGTERM outside the step loop (start-up, or after the last save): exiting "
+                                    "at once; nothing is lost (no step is in flight, no checkpoint is being written)\n")
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def copy_run(source, workdir) -> str:
@@ -330,3 +362,148 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_a_non_zero_exit(tmp_pat
 def test_a_workdir_that_cannot_be_made_is_refused_in_one_line(tmp_path, make, says):
   with pytest.raises(ValueError, match=says):
     trainer.check_workdir(make(tmp_path))
+
+
+def hooked_steps(monkeypatch, after_step):
+  """Calls `after_step(n)` after the all-on-device engine's n-th step call (1-based) returns its outputs."""
+  make_engine = sljax.steps.all_on_device
+
+  def engine(*args, **kwargs):
+    inner, calls = make_engine(*args, **kwargs), [0]
+
+    def step(state, batch):
+      out = inner.step(state, batch)
+      calls[0] += 1
+      after_step(calls[0])
+      return out
+
+    return inner._replace(step=step)
+
+  monkeypatch.setattr(sljax.steps, "all_on_device", engine)
+
+
+@pytest.mark.parametrize("every", [0, 5])
+def test_checkpoint_minutes_keeps_the_newest_save_within_them_plus_one_step(tmp_path, monkeypatch, every):
+  """Each step takes a second of a fake clock; --checkpoint_minutes=0.05 is 3 of them. Whenever the run is killed
+  (at any step) and when it is stopped by SIGTERM (after step 8), the newest checkpoint's state is at most 3 s plus
+  one step older than the run's."""
+  now, ages = [0.0], []
+  monkeypatch.setattr(trainer, "clock", lambda: now[0])
+  checkpoints = tmp_path / "run" / "checkpoints"
+
+  def after_step(n):
+    now[0] = float(n)  # the state after step n exists at time n
+    saved = [int(name) for name in os.listdir(checkpoints) if name.isdigit()] if checkpoints.exists() else []
+    ages.append(n - 1 - max(saved, default=0))  # what a kill now leaves: step n - 1 is done, max(saved) saved
+    if n == 8:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  hooked_steps(monkeypatch, after_step)
+  history = train(tmp_path / "run", "--steps=12", "--log_every=100", f"--checkpoint_every={every}",
+                  "--checkpoint_minutes=0.05", "--keep_checkpoints=10", *ENGINES["device"])
+  assert sorted(history) == list(range(1, 9))
+  saved = sorted(int(name) for name in os.listdir(checkpoints))
+  assert saved == ([3, 6, 8] if every == 0 else [3, 5, 8])  # 5: --checkpoint_every; 8: the SIGTERM's save
+  assert max(ages) <= 3 + 1, ages
+
+
+def test_a_second_sigterm_soon_after_the_first_lets_the_save_finish(tmp_path, monkeypatch, capfd, caplog):
+  def after_step(n):
+    if n == 4:
+      def twice():  # from outside, as a scheduler's repeated SIGTERM arrives: while the step or the save runs
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(random.uniform(0.02, 0.1))
+        os.kill(os.getpid(), signal.SIGTERM)
+      threading.Thread(target=twice, daemon=True).start()
+
+  hooked_steps(monkeypatch, after_step)
+  history = train(tmp_path / "run", "--steps=40", "--log_every=100", "--checkpoint_every=100", *ENGINES["device"])
+  last = max(history)
+  assert 4 <= last < 40 and sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [str(last)]
+  errors = capfd.readouterr().err
+  assert "sljax: SIGTERM: finishing the step in flight, then saving it" in errors
+  assert "sljax: SIGTERM again: still stopping cleanly; one more aborts at once and loses the steps since the start" \
+         in errors
+  assert f"SIGTERM: stopped after step {last}; saved" in caplog.text
+
+
+# Takes the workdir lock as a run does (an flock on <workdir>/lock, its holder written in it), says so, and waits.
+HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(os.path.join(sys.argv[1], "lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.write(fd, f"pid {os.getpid()} on a test host".encode())
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_run_in_a_live_runs_workdir_is_refused_and_a_killed_runs_lock_blocks_nothing(tmp_path):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(workdir)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "locked\n"
+    with pytest.raises(SystemExit) as refused:
+      train(workdir, "--steps=2", "--checkpoint_every=1", *ENGINES["device"])
+    assert str(refused.value) == (
+        f"sljax: workdir {workdir} is in use by another run (pid {holder.pid} on a test host): two runs in one workdir "
+        f"would save over each other's checkpoints; wait for it to end, or give this run another --workdir")
+    assert os.listdir(workdir) == ["lock"]  # nothing read or written: the live run's checkpoints are its own
+  finally:
+    holder.kill()  # as a run dies: the kernel drops its flock, the file stays
+    holder.wait()
+  assert sorted(train(workdir, "--steps=2", "--checkpoint_every=1", *ENGINES["device"])) == [1, 2]
+  assert (workdir / "lock").read_text().startswith(f"pid {os.getpid()} on ")
+  assert sorted(train(workdir, "--steps=3", "--checkpoint_every=1", *ENGINES["device"])) == [3]  # released: resumes
+
+
+def start_train_py(workdir, *args) -> subprocess.Popen:
+  """train.py on the tiny model; stdout a pipe (unbuffered), stderr appended to <workdir>.stderr."""
+  with open(f"{workdir}.stderr", "a") as stderr:
+    return subprocess.Popen([sys.executable, "train.py", f"--workdir={workdir}", *TINY, *SCHEDULE, *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_start_up_ends_train_py_in_one_line(tmp_path, stop):
+  """Sent as the plan is printed, the signal lands in the start-up (init, restore, compiles) or, rarely, in the
+  first step: one line and rc 128 + n, or the step finished, saved and rc 0; never a traceback, a segfault or a
+  signal swallowed while the run trains on."""
+  workdir = tmp_path / "run"
+  process = start_train_py(workdir, f"--steps={STEPS}", "--checkpoint_every=3", *ENGINES["offload"])
+  for line in process.stdout:
+    if line.startswith("recipe of"):
+      break
+  time.sleep(random.uniform(0, 0.2))
+  process.send_signal(stop)
+  process.stdout.read()
+  code, text = process.wait(), errors(workdir)
+  assert "Traceback" not in text and code in (0, 128 + stop), (code, text)
+  if code == 0:
+    assert f"{stop.name}: stopped after step 1; saved" in text, text
+  else:
+    assert text.splitlines()[-1] == (f"sljax: {stop.name} outside the step loop (start-up, or after the last save): "
+                                     f"exiting at once; nothing is lost (no step is in flight, no checkpoint is "
+                                     f"being written)"), text
+    assert not os.path.isdir(workdir / "checkpoints") or not os.listdir(workdir / "checkpoints")
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_to_train_py_soon_after_the_first_lets_its_save_finish(tmp_path):
+  workdir = tmp_path / "run"
+  process = start_train_py(workdir, f"--steps={STEPS}", "--checkpoint_every=100", f"--loss_log={workdir}.jsonl",
+                           *ENGINES["device"])
+  wait_for_step(process, workdir, 3, 0)
+  process.send_signal(signal.SIGTERM)
+  time.sleep(random.uniform(0.02, 0.1))
+  process.send_signal(signal.SIGTERM)
+  process.stdout.read()
+  assert process.wait() == 0, errors(workdir)
+  last = logged(workdir)[-1][0]
+  assert "sljax: SIGTERM again: still stopping cleanly" in errors(workdir)
+  assert f"SIGTERM: stopped after step {last}; saved" in errors(workdir)
+  assert os.listdir(workdir / "checkpoints") == [str(last)] and last < STEPS

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from sljax import metrics
+from sljax.checkpoint import newest_checkpoint
 
 from helpers import REPO, TINY, run_train, train_in_process
 
@@ -41,59 +42,48 @@ def test_resumed_run_continues_the_step_count_and_matches_an_uninterrupted_run(t
 
 
 @pytest.mark.slow
-def test_an_offload_run_resumes_with_its_checkpoints_structure_whatever_the_plan_and_the_recipe_choose_now(tmp_path,
-                                                                                                           capsys):
-  """A checkpoint's engine, layer groups and first-moment dtype are its state's structure: a resume keeps them where
-  the request now leaves them to the auto engine (which would run this tiny model on the device), the plan (one tail
-  group of both layers) and the recipe (an fp32 first moment)."""
-  steps = ["--sub_batches=2", "--decay_steps=4", "--checkpoint_every=2"]
-  chosen = ["--engine=offload", "--live_layers=1", "--tail_layers=1", "--moments_dtype=bfloat16"]
-  uninterrupted = train_in_process(tmp_path / "one", "--steps=4", *steps, *chosen)
-  train_in_process(tmp_path / "two", "--steps=2", *steps, *chosen)
-  capsys.readouterr()
-  train_in_process(tmp_path / "planned", "--steps=1", *steps, "--engine=offload", "--plan")  # a run's plan, no run
-  assert "the last 2 layers one group" in capsys.readouterr().out  # what the plan chooses for this model now
-  resumed = train_in_process(tmp_path / "two", "--steps=4", *steps)
-  out = capsys.readouterr().out
-  held = ("the offload engine's state, in layer groups of 1 layer(s) and a last group of 1, with a bfloat16 first "
-          "moment, 2 of 2 groups' state on the device")
-  assert f"note: resuming from {tmp_path / 'two' / 'checkpoints' / '2'}, which holds {held}: kept" in out, out
-  assert sorted(resumed) == [3, 4]
-  np.testing.assert_allclose([resumed[3], resumed[4]], [uninterrupted[3], uninterrupted[4]], rtol=1e-6)
-  for asked in (["--tail_layers=2"], ["--engine=device", "--moments_dtype=float32"]):
-    with pytest.raises(SystemExit, match=rf"^sljax: checkpoint .*/two/checkpoints/4 holds {re.escape(held)}; "
-                                         rf"{' '.join(asked)} asks for another: drop (it|them) to resume"):
-      train_in_process(tmp_path / "two", "--steps=6", *steps, *asked)
+def test_a_checkpoint_fixes_no_placement_a_resume_runs_the_engine_its_own_request_and_plan_choose(tmp_path):
+  """A checkpoint holds the model's master weights and optimizer state per layer (sljax.checkpoint_layout): the
+  offload engine's, in layer groups of 1 and a tail of 1, resumes on the device engine that the auto engine chooses
+  for this tiny model now, and that one's on the offload engine with a tail of both layers; the saved bf16 first
+  moment is kept where the request leaves it open. In fp32: in bf16 the two engines' own runs differ by more."""
+  schedule = ["--decay_steps=6", "--checkpoint_every=2", "--set=dtype=float32"]
+  chosen = ["--engine=offload", "--sub_batches=2", "--live_layers=1", "--tail_layers=1", "--moments_dtype=bfloat16"]
+  uninterrupted = train_in_process(tmp_path / "one", "--steps=6", *schedule, *chosen)
+  train_in_process(tmp_path / "two", "--steps=2", *schedule, *chosen)
+  on_device = train_in_process(tmp_path / "two", "--steps=4", *schedule)
+  assert newest_checkpoint(str(tmp_path / "two"))[1]["optim"]["moments_dtype"] == "bfloat16"
+  offloaded = train_in_process(tmp_path / "two", "--steps=6", *schedule, "--engine=offload", "--tail_layers=2")
+  assert sorted(on_device) == [3, 4] and sorted(offloaded) == [5, 6]
+  # Another engine sums in other orders: the same run to float rounding.
+  np.testing.assert_allclose([on_device[3], on_device[4], offloaded[5], offloaded[6]],
+                             [uninterrupted[n] for n in (3, 4, 5, 6)], rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_a_resume_keeps_which_groups_keep_their_state_on_the_device(tmp_path, capsys):
-  """A host group's state holds a compute copy of its weights (the one that crosses PCIe) that a device group's does
-  not, so where the state lives is the checkpoint's structure too: a resume on a device with room for every group's
-  state keeps the checkpoint's 2 of 6 there, and one with room for fewer says so in one line."""
+def test_a_resume_keeps_its_state_where_its_own_plan_puts_it(tmp_path, capsys):
+  """Saved with every group's state on the device, a run resumed on a device with room for fewer keeps the state of
+  as many as its own plan puts there (host groups get their compute copy rebuilt from the master weights), and
+  continues the run."""
   steps = ["--set=num_layers=6", "--sub_batches=2", "--decay_steps=4", "--checkpoint_every=2", "--engine=offload",
            "--live_layers=1", "--tail_layers=1"]
   small = "--device_memory_gib=0.0042"  # the tiny model's state of 2 of its 6 groups on the device, by the plan
-  uninterrupted = train_in_process(tmp_path / "one", "--steps=4", *steps, small)
-  train_in_process(tmp_path / "two", "--steps=2", *steps, small)
+  uninterrupted = train_in_process(tmp_path / "one", "--steps=4", *steps)
+  train_in_process(tmp_path / "two", "--steps=2", *steps)
+  capsys.readouterr()
+  resumed = train_in_process(tmp_path / "two", "--steps=4", *steps, small)
   out = capsys.readouterr().out
   assert "2 group(s) keep master weights + optimizer state on the device" in out, out
-  resumed = train_in_process(tmp_path / "two", "--steps=4", *steps)
-  out = capsys.readouterr().out
-  assert "2 of 6 groups' state on the device: kept" in out and "2 group(s) keep master weights" in out, out
   assert sorted(resumed) == [3, 4]
   np.testing.assert_allclose([resumed[3], resumed[4]], [uninterrupted[3], uninterrupted[4]], rtol=1e-6)
-  with pytest.raises(SystemExit, match=r"^sljax: the checkpoint resumed keeps the state of 2 of 6 groups \(2 layers\) "
-                                       r"on the device, which has room for that of 1 layer"):
-    train_in_process(tmp_path / "two", "--steps=6", *steps, "--device_memory_gib=0.0036")
 
 
 def test_a_run_shorter_than_the_warmup_trains(tmp_path, capsys):
   history = run_train(f"--workdir={tmp_path}", *[f for f in TINY if not f.startswith("--warmup_steps")], "--steps=5")
   assert sorted(history) == [1, 2, 3, 4, 5] and np.isfinite(list(history.values())).all()
   out = capsys.readouterr().out
-  assert "warming up over 2 (half the run) and decaying over the 5" in out
-  assert "recipe of llama-tiny (sljax's CPU recipe, flags applied): AdamW lr 0.003, 2 warmup, cosine" in out
+  assert "note: --steps=5 ends within the 20 warmup steps" in out
+  assert "recipe of llama-tiny (sljax's CPU recipe, flags applied): AdamW lr 0.003, 20 warmup, then constant" in out
 
 
 def committed_plan(name: str) -> str:
@@ -233,3 +223,74 @@ def test_host_budget_is_split_among_the_process_devices(tmp_path, capsys, mesh, 
                    "--host_memory_gib=6")
   host_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pinned host:")]
   assert len(host_lines) == 1 and f" of {6 / local:.1f} GiB" in host_lines[0], host_lines
+
+
+# ---- held-out evaluation: --eval_every, --eval_batches -----------------------------------------------------------
+
+def tensorboard_scalars(workdir) -> dict[str, dict[int, float]]:
+  """{tag: {step: value}} of a run's TensorBoard event files (TFRecord framing: length, its CRC, event, its CRC)."""
+  import struct
+
+  from tensorboardX.proto.event_pb2 import Event
+
+  scalars = {}
+  for path in glob.glob(str(workdir / "tb" / "events.out.tfevents.*")):
+    data, i = open(path, "rb").read(), 0
+    while i < len(data):
+      (length,) = struct.unpack("<Q", data[i:i + 8])
+      event = Event.FromString(data[i + 12:i + 12 + length])
+      i += 12 + length + 4
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+  return scalars
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [[], ["--engine=offload", "--sub_batches=2", "--live_layers=1"]],
+                         ids=["device", "offload-clipped"])
+def test_eval_lines_are_the_models_loss_on_the_held_out_batches_of_the_saved_params(tmp_path, capsys, engine):
+  """Every 2 steps (not at step 0) the mean loss of the same 2 held-out batches, in the loss log (lines marked
+  "eval"), TensorBoard and the progress line; each equals model.loss on those batches of the params saved at that
+  step (the offload engine clips: its parked updates are applied first)."""
+  from models.presets import build, get_config
+  from sljax.checkpoint import read_params
+  from sljax.data import DataConfig, make_source
+
+  workdir, log = tmp_path / "run", tmp_path / "losses.jsonl"
+  history = train_in_process(workdir, "--steps=4", "--eval_every=2", "--eval_batches=2", "--checkpoint_every=2",
+                             "--set=dtype=float32", f"--loss_log={log}", *engine)
+  assert sorted(history) == [1, 2, 3, 4]
+  rows = [json.loads(line) for line in open(log)]
+  assert sorted(row["step"] for row in rows if "loss" in row) == [1, 2, 3, 4]
+  evals = {row["step"]: row for row in rows if row.get("eval")}
+  assert sorted(evals) == [2, 4] and all(np.isclose(row["eval_perplexity"], np.exp(row["eval_loss"]))
+                                         for row in evals.values())
+  scalars = tensorboard_scalars(workdir)
+  assert scalars["eval_loss"] == pytest.approx({n: row["eval_loss"] for n, row in evals.items()}, rel=1e-6)
+  assert set(scalars["eval_perplexity"]) == set(scalars["eval_seconds_per_batch"]) == {2, 4}
+  assert f"| eval {evals[4]['eval_loss']:.3f}" in capsys.readouterr().err
+
+  model = build(get_config("llama-tiny", [flag[len("--set="):] for flag in TINY if flag.startswith("--set=")]
+                           + ["dtype=float32"]))
+  batches = make_source(DataConfig(seq_len=32, batch_size=4, max_tokens=200000), model.cfg.max_positions,
+                        held_out=True).eval_batches(2)
+  for step in (4, 2):  # the newest checkpoint, then the one before it
+    reader = read_params(str(workdir))
+    params = {"outer": reader.outer(), "layers": reader.layers(0, reader.num_layers)}
+    want = np.mean([float(model.loss(params, batch)) for batch in batches])
+    np.testing.assert_allclose(evals[step]["eval_loss"], want, rtol=1e-6)
+    shutil.rmtree(workdir / "checkpoints" / str(step))
+  assert evals[4]["eval_loss"] != evals[2]["eval_loss"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--eval_every=-1"], "eval_every must be >= 0 (0: no evaluation), got -1"),
+    (["--eval_every=2", "--eval_batches=0"], "eval_batches must be positive, got 0"),
+    (["--eval_every=2", "--eval_batches=9000", "--eval_tokens=1000"],
+     "--eval_batches=9000 of 4 x 32 tokens need 1152001 tokens of held-out text; stdlib's held-out slice has 1000"),
+])
+def test_bad_eval_requests_are_one_line_and_write_nothing(tmp_path, flags, message):
+  with pytest.raises(SystemExit) as info:
+    train_in_process(tmp_path / "run", *flags)
+  assert str(info.value).startswith(f"sljax: {message}") and "\n" not in str(info.value), str(info.value)
+  assert not (tmp_path / "run").exists()

@@ -48,9 +48,12 @@ def run() -> list[dict]:
   if job.request.plan:
     return []
   records = []
-  for record in generate_launch.generate(job):
-    records.append(record)
-    print(json.dumps(record, ensure_ascii=False), flush=True)
+  try:
+    for record in generate_launch.generate(job):
+      records.append(record)
+      print(json.dumps(record, ensure_ascii=False), flush=True)
+  except generate_launch.NonFiniteWeights as error:  # found as the weights are read, group by group
+    raise SystemExit(f"sljax: {error}") from None
   return records
 
 

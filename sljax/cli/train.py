@@ -29,7 +29,7 @@ from sljax.lora.model import LoraConfig
 from sljax.machines import configure_process, default_host_budget_help
 from sljax.optim import OptimConfig
 from sljax.request import DEFAULT_MODEL, FINE_TUNING_LEARNING_RATE, ClusterConfig, Configs, LaunchConfig, Request
-from sljax.trainer import Diverged, RunConfig
+from sljax.trainer import Diverged, ExitOnSignal, RunConfig, WorkdirBusy
 
 RECIPE = "the recipe's"
 LAUNCH = define(LaunchConfig, rename={"overrides": "set"}, unset={"model": DEFAULT_MODEL}, help={
@@ -45,9 +45,9 @@ OPTIM = define(OptimConfig, unset={
     **{field.name: RECIPE for field in dataclasses.fields(OptimConfig)},
     "learning_rate": f"{RECIPE}; with --lora_rank {FINE_TUNING_LEARNING_RATE:g}, LoRA's usual rate (the recipes train "
                      f"every weight from scratch)",
-    "warmup_steps": f"{RECIPE}, at most half of --steps unless --decay_steps is set",
+    "warmup_steps": f"{RECIPE}, whatever --steps: a shorter run ends within it, below the peak rate",
     # Not OptimConfig's default (0: none): a library user of OptimConfig has no run length to decay over.
-    "decay_steps": "--steps",
+    "decay_steps": "--steps; none for a run that ends within its warmup",
     "moments_dtype": f"{RECIPE}, float32; on the offload engine bfloat16 where float32 does not fit, with a notice"})
 RUN = define(RunConfig)
 # Without --lora_rank every weight trains, and the other LoRA flags have nothing to shape (they are refused).
@@ -104,7 +104,7 @@ def run() -> dict[int, float]:
     return launch.train(job)
   except CheckpointMismatchError as error:
     raise SystemExit(f"sljax: {error}; use another --workdir") from None
-  except (CheckpointCorruptError, CheckpointWriteError, DiskSpaceError, Diverged) as error:
+  except (CheckpointCorruptError, CheckpointWriteError, DiskSpaceError, Diverged, WorkdirBusy) as error:
     raise SystemExit(f"sljax: {error}") from None
 
 
@@ -112,13 +112,14 @@ def main(argv):
   if len(argv) > 1:
     raise SystemExit(f"sljax: unexpected arguments {' '.join(argv[1:])}")
   logging.get_absl_handler().addFilter(_OwnInfoOnly())
-  try:  # before anything touches a device: every process of a multi-host run starts here
-    launch_cfg = LAUNCH.build()
-    configure_process(launch_cfg.host_memory_gib)
-    launch.start(launch_cfg, CLUSTER.build())
-  except (TimeoutError, ValueError) as error:
-    raise SystemExit(f"sljax: {error}") from None
-  run()
+  with ExitOnSignal():  # until the loop's own stop handling takes over: a signal at start-up ends in one line
+    try:  # before anything touches a device: every process of a multi-host run starts here
+      launch_cfg = LAUNCH.build()
+      configure_process(launch_cfg.host_memory_gib)
+      launch.start(launch_cfg, CLUSTER.build())
+    except (TimeoutError, ValueError) as error:
+      raise SystemExit(f"sljax: {error}") from None
+    run()
 
 
 def console():

@@ -6,6 +6,6 @@ as the generator's do, and small trainable adapters that keep fp32 master weight
   plan.py        plan_lora: the engine's layout for a device and host budget
   checkpoint.py  a run's checkpoints read back: their adapters, the base they point to, the merged model
 
-Import the module you need: this package imports none of them, so that inference (generate.py, sljax.lora_export)
+Import the module you need: this package imports none of them, so that inference (generate.py, sljax.export)
 reads a run's adapters through checkpoint.py without loading the training engine.
 """

@@ -1,5 +1,5 @@
 """A fine-tuning run's checkpoints read back: train.py --lora_rank checkpoints the engine's state with a pointer to
-its frozen base (`run_meta`); generate.py --lora_checkpoint and sljax.lora_export read the adapters back
+its frozen base (`run_meta`); generate.py --lora_checkpoint and sljax.export read the adapters back
 (`open_checkpoint`, `read_adapters`) and merge them into that base one layer group at a time (`MergedWeights`), so
 the plain base model runs the fine-tuned one. Loads nothing of training.
 """

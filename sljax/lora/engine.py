@@ -91,6 +91,7 @@ class LoraEngine:
     self._forward = jax.jit(layers)
     self._last_group = jax.jit(self._last_group_fn, donate_argnums=(3, 7))
     self._backward = jax.jit(self._backward_fn, donate_argnums=(2, 4))
+    self._last_group_loss = jax.jit(self._last_group_loss_fn)
     self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))
     self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
     self._cast = jax.jit(lambda stacked: jax.tree.map(lambda x, dtype: x.astype(dtype), stacked,
@@ -107,6 +108,10 @@ class LoraEngine:
 
     loss, (d_adapters, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1))(adapters, x)
     return loss, dx, jax.tree.map(jnp.add, grads, d_adapters)
+
+  def _last_group_loss_fn(self, base, adapters, outer, x, targets, weights, inv_total):
+    h = self.model.layers(join_adapters(base, adapters), x)
+    return self.model.head_loss(outer, h, targets, weights) * inv_total
 
   def _backward_fn(self, base, adapters, x, dy, grads):
     _, vjp = jax.vjp(lambda adapters, x: self.model.layers(join_adapters(base, adapters), x), adapters, x)
@@ -247,6 +252,29 @@ class LoraEngine:
     new_adapters, new_opt, ok = self._update(adapters, state["opt"], grads, loss)
     return ({"step": state["step"] + ok.astype(jnp.int32), "adapters": new_adapters, "opt": new_opt},
             jnp.where(ok, loss, jnp.nan))
+
+  def eval_loss(self, state: dict, batch: dict) -> jax.Array:
+    """The loss of `batch` under the base and the state's adapters (the LoraModel's loss), forward only, in the
+    step's order and pace: each streamed group fetched once, every sub-batch through it. Reads `state` and changes
+    nothing."""
+    if self.base is None:
+      raise ValueError("the engine has no base: call load_base(params) or init_base(key) first")
+    n = self.cfg.sub_batches
+    check_batch(batch["inputs"].shape[0], n, self.place.mesh)
+    tokens, targets, loss_weights = ([self.place.to_device(part) for part in np.split(np.asarray(batch[key]), n)]
+                                     for key in ("inputs", "targets", "weights"))
+    inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
+    outer, adapters, last = self.base["outer"], state["adapters"], len(self.groups) - 1
+    jax.block_until_ready(state["step"])  # as the step: the device holds one pass's buffers at a time
+    pace, stream = InFlight(1), prefetch(range(last + 1), self._fetch)
+    level = [self._embed(outer, tokens[s]) for s in range(n)]
+    for g in range(last):
+      w = next(stream)
+      level = [self._forward(w, adapters[g], x) for x in level]
+      pace.add(level[-1])
+    w = next(stream)
+    return sum(self._last_group_loss(w, adapters[last], outer, x, targets[s], loss_weights[s], inv_total)
+               for s, x in enumerate(level))
 
 
 class LoraCalls(NamedTuple):
