@@ -188,8 +188,8 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   engine will run, whose state is sized per parameter (default: AdamW with fp32 moments, 8 bytes). target: plan for
   one GPU of that machine (its rates; made on a CPU, its compiled peak corrected by gpu_peak_from_cpu) instead of for
   this process's device (whose rates are the table's, or the reference machine's when it has none).
-  device_state_groups: keep this many groups' state on the device (a resumed checkpoint's placement, which its
-  state's structure fixes) instead of choosing; ValueError when they do not fit.
+  device_state_groups: keep this many groups' state on the device instead of choosing; ValueError when they do
+  not fit.
 
   The tail (EngineConfig.tail_layers): when every group's state stays on the device, the device memory left over
   goes to a longer last group, whose layers keep their residuals instead of being recomputed, as many as fit by the

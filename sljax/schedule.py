@@ -102,16 +102,6 @@ def state_on_device(groups: int, device_groups: int) -> list[bool]:
   return [g not in on_host for g in range(groups)]
 
 
-def layout_of(group_layers: list[int]) -> tuple[int, int]:
-  """(live_layers, tail_layers) whose `EngineConfig.bounds` are groups of these many layers, in order: the layout of
-  engine state (a checkpoint's, say) from its groups' sizes. ValueError when no layout makes them."""
-  live, tail = group_layers[0], group_layers[-1]
-  starts = np.cumsum([0, *group_layers]).tolist()
-  if EngineConfig(live_layers=live, tail_layers=tail).bounds(starts[-1]) != list(zip(starts[:-1], starts[1:])):
-    raise ValueError(f"groups of {group_layers} layers are not an engine layout")
-  return live, tail
-
-
 def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: int, state_per_layer: int,
                     opt_bytes_per_param: float, fsdp: int = 1, host_state: bool = True) -> dict[str, int]:
   """What `Engine.step` keeps on each device besides the groups' resident state, parked gradients and stash, by kind:
@@ -494,6 +484,17 @@ class Engine:
 
   # ---- the step ------------------------------------------------------------------------------------------------
 
+  def _sub_batches(self, batch: dict):
+    """(tokens, targets, loss weights) of each sub-batch, its rows split over every device, and 1 / the whole batch's
+    weight: each sub-batch's weighted sum times it, as models.common.LayerMajorModel.loss does. Checks the batch."""
+    n = self.cfg.sub_batches
+    check_batch(check_training_batch(batch, self.model.cfg), n, self.place.mesh)
+    tokens, targets, loss_weights = (
+        [self.place.to_device(part, PER_DEVICE) for part in np.split(np.asarray(batch[key]), n)]
+        for key in ("inputs", "targets", "weights"))
+    inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
+    return tokens, targets, loss_weights, inv_total
+
   def step(self, state: dict, batch: dict) -> tuple[dict, jax.Array]:
     """One optimizer step on `batch` ({"inputs", "targets", "weights"}: [B, S] numpy arrays, B = N x b; weights
     >= 0). Returns (the new state, the loss: sum(weights x token losses) / sum(weights) over the whole batch, 0 when
@@ -507,12 +508,7 @@ class Engine:
     group g's just before its forward reads group g's weights, so their copies hide behind that forward. `settle`
     applies them at once (before a checkpoint); `params` sees them applied."""
     n = self.cfg.sub_batches
-    check_batch(check_training_batch(batch, self.model.cfg), n, self.place.mesh)
-    tokens, targets, loss_weights = (  # each sub-batch's rows split over every device
-        [self.place.to_device(part, PER_DEVICE) for part in np.split(np.asarray(batch[key]), n)]
-        for key in ("inputs", "targets", "weights"))
-    # Each sub-batch's weighted sum times 1 / the whole batch's weight, as models.common.LayerMajorModel.loss does.
-    inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
+    tokens, targets, loss_weights, inv_total = self._sub_batches(batch)
 
     outer, groups, parked = self.place.gather(state["outer"]), state["groups"], state.get("parked")
     last = len(groups) - 1
@@ -612,11 +608,7 @@ class Engine:
     compute instead of adding to it. Consumes `state` when it holds parked updates, like `settle`; else reads it and
     returns it as it is."""
     n = self.cfg.sub_batches
-    check_batch(batch["inputs"].shape[0], n, self.place.mesh)
-    tokens, targets, loss_weights = (
-        [self.place.to_device(part, PER_DEVICE) for part in np.split(np.asarray(batch[key]), n)]
-        for key in ("inputs", "targets", "weights"))
-    inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
+    tokens, targets, loss_weights, inv_total = self._sub_batches(batch)
     outer, parked, groups = self.place.gather(state["outer"]), state.get("parked"), list(state["groups"])
     stream = prefetch(range(len(groups)), lambda g: self._fetch(g, True, groups, parked))
     weights = lambda g: self._settle_group(g, next(stream), groups, parked)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from models.presets import build, get_config
 from sljax.memory import HOST
-from sljax.schedule import Engine, EngineConfig, dequantize_rows, layout_of, quantize_rows, state_on_device
+from sljax.schedule import Engine, EngineConfig, dequantize_rows, quantize_rows, state_on_device
 
 from helpers import init_params, make_batch, reference_steps, rel_error
 
@@ -186,21 +186,6 @@ def test_groups_cover_the_layers_in_order_with_the_tail_last(case):
   assert [a for a, _ in bounds] == [0] + [b for _, b in bounds[:-1]] and bounds[-1][1] == layers
   assert all(0 < b - a <= live for a, b in bounds[:-1 if tail else None])
   assert bounds[-1][1] - bounds[-1][0] == (tail or layers - live * (len(bounds) - 1))
-
-
-@given(st.integers(1, 12).flatmap(lambda layers: st.tuples(st.just(layers), st.integers(1, layers + 1),
-                                                          st.integers(0, layers))))
-def test_a_layout_is_read_back_from_its_groups_sizes(case):
-  """How a resume finds a checkpoint's layout (sljax.resume.resumed_engine_state): from its groups' layer counts."""
-  layers, live, tail = case
-  bounds = EngineConfig(live_layers=live, tail_layers=tail).bounds(layers)
-  live, tail = layout_of([b - a for a, b in bounds])
-  assert EngineConfig(live_layers=live, tail_layers=tail).bounds(layers) == bounds
-
-
-def test_group_sizes_no_layout_makes_are_refused():
-  with pytest.raises(ValueError, match=r"groups of \[1, 2, 1\] layers are not an engine layout"):
-    layout_of([1, 2, 1])
 
 
 def test_tail_layers_out_of_range_is_refused():

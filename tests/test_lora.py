@@ -140,6 +140,7 @@ def test_base_has_no_master_copy_and_runs_in_the_compute_dtype():
   assert np.isfinite(float(loss))
 
 
+@pytest.mark.slow
 def test_fresh_adapters_leave_the_model_exactly_the_base():
   model = _model("opt", rank=3)
   params = model.base.init(jax.random.key(0))
@@ -149,6 +150,7 @@ def test_fresh_adapters_leave_the_model_exactly_the_base():
                                 model.base.layers(params["layers"], h))
 
 
+@pytest.mark.slow
 def test_merged_adapters_are_the_same_model():
   model = _model("llama", rank=4)
   params = model.base.init(jax.random.key(0))

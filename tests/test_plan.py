@@ -216,6 +216,7 @@ def test_sizes_are_read_from_the_params_shapes(name):
   assert 0 < extra <= 2e-3 * 2 * sizes.layer_params  # tens of KiB per layer
 
 
+@pytest.mark.slow
 def test_a_model_that_fits_with_room_to_spare_recomputes_nothing():
   model = tiny_model(3, 16)
   plan = make_plan(model, 8, 4, HUGE, sub_batches=2)

@@ -53,7 +53,7 @@ def test_group_is_the_largest_divisor_of_the_contraction_axis_up_to_the_asked_si
   assert group_rows(7, 128) == 7 and group_rows(13, 4) == 1
 
 
-@pytest.mark.parametrize("family, preset", [("llama", "llama-tiny"), ("opt", "opt-125m")])
+@pytest.mark.parametrize("family, preset", [pytest.param("llama", "llama-tiny", marks=pytest.mark.slow), ("opt", "opt-125m")])
 def test_only_kernels_are_compressed_and_the_bytes_shrink_as_documented(family, preset):
   model = build(get_config(preset, {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
                                    "num_kv_heads": 2}))

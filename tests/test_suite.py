@@ -52,6 +52,7 @@ FAST_CORE = {
     "test_train.py": "test_a_run_shorter_than_the_warmup_trains",
     "test_library.py": "test_own_model_trains_as_plain_jax_grad_on_the_full_batch",
     "test_models.py": "test_causal",
+    "test_export.py": "test_host_memory_holds_one_shard_and_the_outer_params_not_the_model",
 }
 
 

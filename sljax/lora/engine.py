@@ -29,6 +29,7 @@ from sljax.generate import layer_groups
 from sljax.lora.model import LoraModel, join_adapters, split_adapters
 from sljax.memory import InFlight, Placement, prefetch
 from sljax.mesh import check_batch
+from sljax.schedule import check_training_batch
 from sljax.sizes import model_sizes
 
 
@@ -201,6 +202,16 @@ class LoraEngine:
   def _unstash(self, x):
     return self.place.to_device(x) if self.cfg.activations_on_host else x
 
+  def _sub_batches(self, batch: dict):
+    """(tokens, targets, loss weights) of each sub-batch on the device, and 1 / the whole batch's weight (the loss
+    is the weighted mean over the whole batch). Checks the batch."""
+    n = self.cfg.sub_batches
+    check_batch(check_training_batch(batch, self.model.cfg), n, self.place.mesh)
+    tokens, targets, loss_weights = ([self.place.to_device(part) for part in np.split(np.asarray(batch[key]), n)]
+                                     for key in ("inputs", "targets", "weights"))
+    inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
+    return tokens, targets, loss_weights, inv_total
+
   def step(self, state: dict, batch: dict) -> tuple[dict, jax.Array]:
     """One optimizer step of the adapters on `batch` ({"inputs", "targets", "weights"}: [B, S] numpy, B = N x b).
     Returns (the new state, the loss: the weighted mean over the whole batch; NaN when the step was skipped for a
@@ -208,10 +219,7 @@ class LoraEngine:
     if self.base is None:
       raise ValueError("the engine has no base: call load_base(params) or init_base(key) first")
     n = self.cfg.sub_batches
-    check_batch(batch["inputs"].shape[0], n, self.place.mesh)
-    tokens, targets, loss_weights = ([self.place.to_device(part) for part in np.split(np.asarray(batch[key]), n)]
-                                     for key in ("inputs", "targets", "weights"))
-    inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
+    tokens, targets, loss_weights, inv_total = self._sub_batches(batch)
     outer, adapters, last = self.base["outer"], state["adapters"], len(self.groups) - 1
     # The host stays one group ahead of the device (and starts a step once the last one is done), so the device
     # holds the streamed groups' weights (sljax.lora.plan.STREAMED_IN_FLIGHT) and the calls' buffers the plan counts,
@@ -260,10 +268,7 @@ class LoraEngine:
     if self.base is None:
       raise ValueError("the engine has no base: call load_base(params) or init_base(key) first")
     n = self.cfg.sub_batches
-    check_batch(batch["inputs"].shape[0], n, self.place.mesh)
-    tokens, targets, loss_weights = ([self.place.to_device(part) for part in np.split(np.asarray(batch[key]), n)]
-                                     for key in ("inputs", "targets", "weights"))
-    inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
+    tokens, targets, loss_weights, inv_total = self._sub_batches(batch)
     outer, adapters, last = self.base["outer"], state["adapters"], len(self.groups) - 1
     jax.block_until_ready(state["step"])  # as the step: the device holds one pass's buffers at a time
     pace, stream = InFlight(1), prefetch(range(last + 1), self._fetch)
