@@ -56,7 +56,7 @@ def budget_keeping(model, seq, rows, fsdp, device_groups, sub_batches=0, clip=0.
 
 
 @pytest.mark.slow
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(host=st.integers(4, 5), fsdp=st.sampled_from([1, 2]), sub_batches=st.sampled_from([1, 2]),
        keep=st.integers(0, 2), clip=st.sampled_from([0.0, 1.0]), moments=st.sampled_from(["float32", "bfloat16"]))
 def test_planned_bytes_per_step_are_what_the_engine_moves(host, fsdp, sub_batches, keep, clip, moments):
