@@ -32,7 +32,7 @@ from absl import app, flags
 import sljax
 from benchmarks.common import batch_of, define_flags, provenance, write_results
 from models.presets import build, get_config
-from sljax.checkpoint import Checkpointer
+from sljax.checkpoint import Checkpointer, StateHandler
 from sljax.checkpoint_layout import offload_view
 from sljax.machines import GIB, PINNED_POOL_ENV, configure_process
 from sljax.memory import PeakResident, resident_bytes, tree_bytes
@@ -189,6 +189,8 @@ def main(argv):
   shutil.rmtree(FLAGS.workdir, ignore_errors=True)
   disk = disk_rates(FLAGS.workdir + "_disk_rates", sizes)  # the checkpoint's files, on the same filesystem
 
+  streaming = StateHandler(staging)  # the parts and writers the checkpointer's saves and restores use
+  streaming.close()
   result = {
       **provenance(), "model": f"llama13b shapes, {cfg.num_layers} layers" if not FLAGS.smoke else "llama-tiny",
       "batch": f"{rows} x {seq_len}, 4 sub-batches, clipping 1.0, bf16 first moment",
@@ -199,6 +201,7 @@ def main(argv):
       "device_resident_state_gib": device_resident / GIB,
       "pinned_pool_limit_gib": float(os.environ.get(PINNED_POOL_ENV, 0)),
       "staging_budget_gib": staging / GIB, "checkpoint_on_disk_gib": on_disk / GIB,
+      "part_mib": streaming.part_bytes / 2**20, "writers": streaming.writers,
       "peak_host_extra_gib": {"save": saving.extra / GIB, "restore": restoring.extra / GIB},
       "rss_gib": {"before_save": saving.start / GIB, "after_save": after_save / GIB,
                   "before_restore": restoring.start / GIB},

@@ -10,14 +10,17 @@ optimizer state one layer at a time, whatever the layer groups, memory kinds or 
 placement restores it; any other pytree (a LoRA run's adapters) is saved as it is.
 
 XLA's pinned host pool already holds the host-resident state, and orbax's own save stages every array through it at
-once (about twice the state in host memory). Here each part is copied into ordinary host memory, checked (finite,
-CRC-32) and written, PARTS_IN_FLIGHT parts at a time (part k+1 copied while part k is written), so the extra host
-memory is bounded by `staging_bytes`, never by the state's size. A restore reads a part (the next one while the last
-is placed), verifies it and places each array straight into its target sharding (memory kind and mesh included).
+once (about twice the state in host memory). Here each part is copied into ordinary host memory, checked (finite) and
+handed to one of WRITERS writer threads (an orbax Checkpointer each), which checksum (CRC-32) and write that many
+parts at once while the next is copied; a restore reads and verifies that many parts at once while the one before them
+is placed, each array straight into its target sharding (memory kind and mesh included), in manifest order. So at most
+WRITERS + 1 parts are held, and parts are sized for that: the extra host memory is bounded by `staging_bytes`, never
+by the state's size.
 """
 
 import collections
 import concurrent.futures
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -25,7 +28,9 @@ import errno
 import functools
 import glob
 import json
+import math
 import os
+import queue
 import shutil
 import zlib
 from collections.abc import Callable
@@ -43,14 +48,20 @@ from sljax.memory import tree_bytes
 GIB = 2**30
 STAGING_BYTES = 4 * GIB  # extra host memory a save or restore may use
 # A part in flight costs more host memory than its bytes: the copy out of device memory, orbax's own copy of what it
-# writes, and transfer buffers that the process keeps for the next save. A part is a quarter of the budget shared by
-# the parts in flight (PARTS_IN_FLIGHT: one staged while the one before is written, or read while the one before is
-# placed): 512 MiB of 4 GiB. Measured before the parts were pipelined, on one H200 with 43 GiB of state
-# (benchmarks/results/checkpoint_scale_h200.json): 1 GiB parts, one at a time, peaked at 5.2 GiB
-# above the level before the save (3.4 GiB of it still held after the save, and reused by the next) and 2.1 GiB
-# during a restore; with 2 GiB parts 7.3 GiB (checkpoint_scale_2gib_parts_h200.json, state 46 GiB).
+# writes, and transfer buffers that the process keeps for the next save. A part is a quarter (PARTS_PER_BUDGET) of the
+# budget shared by the parts in flight: WRITERS parts written at once while the next is staged (or read at once while
+# the one before is placed), WRITERS + 1 in all. So part = staging / (PARTS_PER_BUDGET x (WRITERS + 1)): 4 GiB / 20 =
+# 205 MiB. Measured on the H200 with orbax alone (parts of 512 MiB, issue #35), against the disk's own 1.50 GB/s written
+# and 1.93 read (fsynced files): one Checkpointer wrote 0.86 GB/s and read 1.28, four in threads (their own Checkpointer
+# each) 1.62 and 1.53. A budget too small for WRITERS parts of MIN_PART_BYTES (orbax writes a few metadata files per
+# part) gets fewer writers, down to one, never larger parts; several processes keep one, so that each meets orbax's
+# barriers part by part in the same order. Measured with one writer and 1 GiB parts, one at a time, on one H200 with 43
+# GiB of state (benchmarks/results/checkpoint_scale_h200.json): a save peaked at 5.2 GiB above the level before it (3.4
+# GiB of it still held after the save, and reused by the next) and a restore at 2.1 GiB; with 2 GiB parts 7.3 GiB
+# (checkpoint_scale_2gib_parts_h200.json, state 46 GiB).
 PARTS_PER_BUDGET = 4
-PARTS_IN_FLIGHT = 2
+WRITERS = 4
+MIN_PART_BYTES = 64 * 2**20
 # Manifest versions. 2: an engine's state is saved per layer (sljax.checkpoint_layout). 1: as the engine held it in
 # memory (layer groups stacked, compute copies included); read for its params and for pytrees saved as they are,
 # not resumed by an engine (sljax.resume says so).
@@ -173,42 +184,64 @@ class _Run(NamedTuple):
 
 class StateHandler(ocp.CheckpointHandler):
   """Saves and restores a state (a View, or a pytree of jax arrays) part by part within `staging_bytes` of extra host
-  memory, PARTS_IN_FLIGHT parts at a time: a save copies part k+1 out of device or pinned memory and checks it while
-  part k is written; a restore reads part k+1 while part k is verified and placed."""
+  memory, `writers` + 1 parts at a time: a save copies the next part out of device or pinned memory and checks it
+  while up to `writers` parts are written at once; a restore reads (and verifies) up to `writers` parts at once while
+  the one before them is placed."""
 
   def __init__(self, staging_bytes: int = STAGING_BYTES):
-    self.part_bytes = max(staging_bytes // (PARTS_PER_BUDGET * PARTS_IN_FLIGHT), 1)
-    self._parts = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))  # float state barely shrinks
+    self.writers = writers_for(staging_bytes)
+    self.part_bytes = max(staging_bytes // (PARTS_PER_BUDGET * (self.writers + 1)), 1)
+    self._idle = queue.SimpleQueue()  # an orbax Checkpointer per writer (or reader) thread
+    for _ in range(self.writers):
+      self._idle.put(ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)))  # floats barely shrink
+
+  @contextlib.contextmanager
+  def _checkpointer(self):
+    parts = self._idle.get()
+    try:
+      yield parts
+    finally:
+      self._idle.put(parts)
 
   def save(self, directory: epath.Path, args: StateSave):
     view = _as_view(args.state)
-    arrays, files = [], {}
+    entries, files = {}, {}
 
     def write(index: int, staged: list):
-      self._write_part(directory, index, [value for _, value, _ in staged])
-      files.update(_file_sizes(directory, _part_name(index)))
-      arrays.extend({"name": _name(array.path), "path": list(array.path), "dtype": np.dtype(value.dtype).name,
-                     "shape": list(value.shape), "part": index, "crc32": crc} for array, value, crc in staged)
+      # Checksums here, in the writers, not in the thread that stages: zlib's CRC-32 (~3.6 GB/s on one core) would
+      # otherwise hold up the next part's copy.
+      crcs = [_crc32(value) if isinstance(value, np.ndarray) else None for _, value in staged]
+      self._write_part(directory, index, [value for _, value in staged])
+      files[index] = _file_sizes(directory, _part_name(index))
+      entries[index] = [{"name": _name(array.path), "path": list(array.path), "dtype": np.dtype(value.dtype).name,
+                         "shape": list(value.shape), "part": index, "crc32": crc}
+                        for (array, value), crc in zip(staged, crcs)]
 
-    # One writer: part k is written while this thread stages part k+1; it waits for part k before handing on k+1,
-    # so that PARTS_IN_FLIGHT parts are held at once. A failure anywhere ends the save (the writer finishes first).
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as writer:
-      written = None
+    # Up to `writers` parts are written while this thread stages the next; it waits for a writer to finish before
+    # handing that one on, so that writers + 1 parts are held at most. A failure anywhere ends the save: the writers
+    # still running finish their part first (leaving the pool waits for them), then the first failure is raised.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=self.writers) as pool:
+      writing = set()
       for index, part in enumerate(_pack(_runs(view, self.part_bytes), self.part_bytes)):
         staged = _stage(view, part)
-        if written is not None:
-          written.result()
-        written = writer.submit(write, index, staged)
+        while len(writing) >= self.writers:
+          done, writing = concurrent.futures.wait(writing, return_when=concurrent.futures.FIRST_COMPLETED)
+          for written in done:
+            written.result()
+        writing.add(pool.submit(write, index, staged))
         del staged
         _return_freed_memory()
-      if written is not None:
+      for written in concurrent.futures.as_completed(writing):
         written.result()
     _return_freed_memory()
     if jax.process_index() == 0:
-      (directory / "manifest.json").write_text(json.dumps({"format": FORMAT, "arrays": arrays, "files": files}))
+      manifest = {"format": FORMAT, "arrays": [entry for index in sorted(entries) for entry in entries[index]],
+                  "files": {path: size for index in sorted(files) for path, size in files[index].items()}}
+      (directory / "manifest.json").write_text(json.dumps(manifest))
 
   def _write_part(self, directory: epath.Path, index: int, arrays: list):
-    self._parts.save(directory / _part_name(index), args=ocp.args.PyTreeSave(arrays))
+    with self._checkpointer() as parts:
+      parts.save(directory / _part_name(index), args=ocp.args.PyTreeSave(arrays))
 
   def restore(self, directory: epath.Path, args: StateRestore):
     view = _as_view(args.target)
@@ -234,12 +267,15 @@ class StateHandler(ocp.CheckpointHandler):
             for entry, value in self._read_parts(directory, lambda entry: wanted(tuple(entry["path"])))}
 
   def _read_parts(self, directory: epath.Path, wanted=lambda entry: True):
-    """(manifest entry, verified numpy array) of each saved array `wanted` accepts, a part at a time, skipping the
-    parts that hold none of them; part k+1 is read (and verified) while the caller takes part k's."""
+    """(manifest entry, verified numpy array) of each saved array `wanted` accepts, in manifest order, skipping the
+    parts that hold none of them. Up to `writers` parts are read (and verified) at once while the caller takes the
+    ones before them: writers + 1 parts held at most, and, after the first one ahead, no more bytes than writers + 1
+    parts of this handler's size (a checkpoint written with larger parts is read fewer at a time)."""
     manifest = read_manifest(directory)
-    by_part = collections.defaultdict(list)
+    by_part, held = collections.defaultdict(list), collections.Counter()
     for entry in manifest["arrays"]:
       by_part[entry["part"]].append(entry)
+      held[entry["part"]] += np.dtype(entry["dtype"]).itemsize * math.prod(entry["shape"])
     indices = [index for index in sorted(by_part) if any(map(wanted, by_part[index]))]
 
     def read(index: int) -> list[tuple[dict, np.ndarray]]:
@@ -248,32 +284,58 @@ class StateHandler(ocp.CheckpointHandler):
       # cannot read while tensorstore still reads the others, whose completions then print tracebacks.
       _check_files(directory, part, manifest["files"])
       as_numpy = [ocp.RestoreArgs(restore_type=np.ndarray)] * len(entries)
-      values = self._parts.restore(directory / part,
-                                   args=ocp.args.PyTreeRestore(item=[0] * len(entries), restore_args=as_numpy))
+      with self._checkpointer() as parts:
+        values = parts.restore(directory / part,
+                               args=ocp.args.PyTreeRestore(item=[0] * len(entries), restore_args=as_numpy))
       kept = [(entry, value) for entry, value in zip(entries, values) if wanted(entry)]
       for entry, value in kept:
         _verify(entry, value)
       return kept
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as reader:
-      ahead = reader.submit(read, indices[0]) if indices else None
-      for following in indices[1:] + [None]:
-        arrived, ahead = ahead, None if following is None else reader.submit(read, following)
+    budget = (self.writers + 1) * self.part_bytes
+    with concurrent.futures.ThreadPoolExecutor(max_workers=self.writers) as pool:
+      ahead, following = collections.deque(), iter(indices)
+      upcoming = next(following, None)
+
+      def read_ahead(taken: int):
+        """Starts reading the next parts while fewer than `writers` are ahead and their bytes, with the `taken`
+        bytes of the part the caller holds, fit the budget; one part ahead at least."""
+        nonlocal upcoming
+        while upcoming is not None and len(ahead) < self.writers and (
+            not ahead or taken + sum(size for size, _ in ahead) + held[upcoming] <= budget):
+          ahead.append((held[upcoming], pool.submit(read, upcoming)))
+          upcoming = next(following, None)
+
+      read_ahead(0)
+      while ahead:
+        size, arrived = ahead.popleft()
         part = arrived.result()
+        read_ahead(size)
         while part:
           yield part.pop(0)
         del arrived, part
         _return_freed_memory()
+        read_ahead(0)
 
   def metadata(self, directory: epath.Path):
     return read_manifest(directory)
 
   def close(self):
-    self._parts.close()
+    for _ in range(self.writers):
+      self._idle.get().close()
 
 
 ocp.args.register_with_handler(StateHandler, for_save=True)(StateSave)
 ocp.args.register_with_handler(StateHandler, for_restore=True)(StateRestore)
+
+
+def writers_for(staging_bytes: int) -> int:
+  """Parts a save writes (and a restore reads) at once within `staging_bytes`: WRITERS, fewer where parts would fall
+  below MIN_PART_BYTES (one at least), one when several processes save."""
+  if jax.process_count() > 1:
+    return 1
+  room = staging_bytes // (PARTS_PER_BUDGET * MIN_PART_BYTES) - 1
+  return max(1, min(WRITERS, room))
 
 
 def _runs(view: View, part_bytes: int) -> list[_Run]:
@@ -318,15 +380,15 @@ def _layers(x, start: int, stop: int):
   return jax.lax.slice_in_dim(x, start, stop)
 
 
-def _stage(view: View, runs: list[_Run]) -> list[tuple[Saved, Any, int | None]]:
-  """(array, its value in ordinary host memory, CRC-32) of each array of `runs`, each run's leaf (or its layers)
-  copied once and split into layers in numpy, after checking that it is finite. A leaf that this process cannot
-  see whole (several hosts) goes to orbax as jax arrays, without a checksum."""
+def _stage(view: View, runs: list[_Run]) -> list[tuple[Saved, Any]]:
+  """(array, its value in ordinary host memory) of each array of `runs`, each run's leaf (or its layers) copied once
+  and split into layers in numpy, after checking that it is finite. A leaf that this process cannot see whole
+  (several hosts) goes to orbax as jax arrays (saved without a checksum)."""
 
   def one(run: _Run):
     x, first, last = view.leaves[run.leaf], run.arrays[0].layer, run.arrays[-1].layer
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return [(array, x if array.layer is None else _layers(x, array.layer, array.layer + 1)[0], None)
+      return [(array, x if array.layer is None else _layers(x, array.layer, array.layer + 1)[0])
               for array in run.arrays]
     whole = first is None or (first == 0 and last == x.shape[0] - 1) or _on_host(x)
     if not whole:  # device slices of a leaf larger than a part, one run's at a time
@@ -343,13 +405,13 @@ def _stage(view: View, runs: list[_Run]) -> list[tuple[Saved, Any, int | None]]:
     staged = []
     for array in run.arrays:
       part = value if array.layer is None else value[array.layer - base]
-      if np.issubdtype(part.dtype, np.inexact) and not np.isfinite(part).all():
+      if np.issubdtype(part.dtype, np.inexact) and not _finite(part):
         raise _NonFinite(_name(array.path))
-      staged.append((array, part, _crc32(part)))
+      staged.append((array, part))
     return staged
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(runs), os.cpu_count() or 1)) as pool:
-    return [item for staged in pool.map(one, runs) for item in staged]  # copies and checksums release the GIL
+    return [item for staged in pool.map(one, runs) for item in staged]  # copies and checks release the GIL
 
 
 def _place(value: np.ndarray, target):
@@ -443,6 +505,13 @@ def _flatten(tree) -> tuple[list[str], list[list], list]:
   with_paths = jax.tree_util.tree_flatten_with_path(tree)[0]
   paths = [[path_key(entry) for entry in path] for path, _ in with_paths]
   return [".".join(map(str, path)) for path in paths], paths, [leaf for _, leaf in with_paths]
+
+
+def _finite(value: np.ndarray, chunk: int = 2**20) -> bool:
+  """Whether every element is finite, checked a chunk at a time: no temporary of a quarter of the part (on a busy
+  CPU, first touched, a 200 MB array's whole-array check ran at 0.34 GB/s, the chunked one at 16)."""
+  flat = value.reshape(-1)
+  return all(np.isfinite(flat[start:start + chunk]).all() for start in range(0, flat.size, chunk))
 
 
 def _crc32(value: np.ndarray) -> int:

@@ -153,12 +153,13 @@ def offload_placed_state(leaves: int, leaf_mib: int) -> dict:
 
 
 @pytest.mark.slow
-def test_save_and_restore_stay_within_the_staging_budget_on_a_state_many_times_larger(tmp_path):
-  budget = 32 * 2**20
+def test_save_and_restore_stay_within_the_staging_budget_on_a_state_many_times_larger(tmp_path, monkeypatch):
+  monkeypatch.setattr(checkpoint, "MIN_PART_BYTES", 1)  # WRITERS at once, as the default budget has them
+  budget = 40 * 2**20  # parts of 2 MiB: PARTS_PER_BUDGET x (WRITERS + 1) of them
   # A process's first save starts orbax's and tensorstore's thread pools and caches (~100 MiB, whatever the state's
   # size): done on a small state first, so that what is measured is the staging.
   Checkpointer(str(tmp_path / "warm"), save_every=1).save(1, offload_placed_state(leaves=2, leaf_mib=1), {})
-  state = offload_placed_state(leaves=48, leaf_mib=8)  # 384 MiB: 12 budgets
+  state = offload_placed_state(leaves=384, leaf_mib=1)  # 384 MiB: 10 budgets
   checkpointer = Checkpointer(str(tmp_path / "run"), save_every=1, staging_bytes=budget)
   with PeakResident(0.001) as saving:
     checkpointer.save(1, state, {})
@@ -171,8 +172,8 @@ def test_save_and_restore_stay_within_the_staging_budget_on_a_state_many_times_l
   # (384 MiB); above that only the staging. Threads and allocator caches add noise: 3 budgets.
   assert saving.extra < 3 * budget, saving.extra / 2**20
   assert restoring.extra - 384 * 2**20 < 3 * budget, restoring.extra / 2**20
-  assert len(glob.glob(str(tmp_path / "run" / "1" / "state" / "part_*"))) >= 12 * 4 - 4
-  np.testing.assert_array_equal(np.asarray(restored["host"][3]), np.full(2**21, 3, np.float32))
+  assert len(glob.glob(str(tmp_path / "run" / "1" / "state" / "part_*"))) == 384 // 2
+  np.testing.assert_array_equal(np.asarray(restored["host"][3]), np.full(2**18, 3, np.float32))
   assert restored["host"][3].sharding.memory_kind == "pinned_host"
 
 
@@ -185,55 +186,143 @@ def in_flight(events: list[tuple], start: str, end: str) -> int:
   return most
 
 
-def test_a_save_copies_the_next_part_while_one_is_written_and_holds_two_parts_at_most(tmp_path, monkeypatch):
-  events, stage, write_part = [], checkpoint._stage, StateHandler._write_part
+def test_parts_shrink_as_writers_grow_and_a_small_budget_gets_fewer_writers_not_tiny_parts():
+  mib = 2**20
+  handler = StateHandler()  # 4 GiB: PARTS_PER_BUDGET x (4 writers + 1) parts of 204.8 MiB
+  assert (handler.writers, handler.part_bytes) == (4, 4 * 2**30 // 20)
+  handler.close()
+  assert [checkpoint.writers_for(gib * 2**30) for gib in (0.25, 0.5, 1, 2)] == [1, 1, 3, 4]
+  handler = StateHandler(2**30)  # 3 writers of 64 MiB parts, the floor
+  assert (handler.writers, handler.part_bytes) == (3, 64 * mib)
+  handler.close()
 
-  def staging(view, runs):
-    events.append(("copy", sum(kind == "copy" for kind, _ in events)))
-    return stage(view, runs)
+
+@pytest.fixture
+def kib_parts(monkeypatch) -> int:
+  """A staging budget of 1 KiB parts, written and read WRITERS at a time (no floor under the part size)."""
+  monkeypatch.setattr(checkpoint, "MIN_PART_BYTES", 1)
+  return checkpoint.PARTS_PER_BUDGET * (checkpoint.WRITERS + 1) * 1024
+
+
+def kib_arrays(count: int) -> dict:
+  return {f"w{i:02d}": jnp.full((256,), i, jnp.float32) for i in range(count)}  # 1 KiB each: a part each
+
+
+def slow_writes(monkeypatch, events: list, fail_at: int | None = None):
+  """Each part's write takes 0.3 s (a slow disk) and is recorded: ("write", index) and ("written", index); the
+  write of part `fail_at` fails (a full disk) after its time."""
+  write_part = StateHandler._write_part
 
   def writing(self, directory, index, arrays):
     events.append(("write", index))
-    time.sleep(0.1)  # a slow disk
+    time.sleep(0.3)
+    if index == fail_at:
+      events.append(("failed", index))
+      raise OSError(errno.ENOSPC, "No space left on device")
     write_part(self, directory, index, arrays)
     events.append(("written", index))
 
-  monkeypatch.setattr(checkpoint, "_stage", staging)
   monkeypatch.setattr(StateHandler, "_write_part", writing)
-  state = {f"w{i}": jnp.full((256,), i, jnp.float32) for i in range(5)}  # 1 KiB each: a part each
-  save_steps_with(tmp_path, state, staging_bytes=checkpoint.PARTS_PER_BUDGET * checkpoint.PARTS_IN_FLIGHT * 1024)
-  assert [index for kind, index in events if kind == "written"] == [0, 1, 2, 3, 4]
-  assert events.index(("copy", 1)) < events.index(("written", 0))  # copied while part 0 was written
-  assert in_flight(events, "copy", "written") == checkpoint.PARTS_IN_FLIGHT
+
+
+def test_a_save_writes_several_parts_at_once_while_the_next_is_copied_and_holds_writers_plus_one_at_most(
+    tmp_path, monkeypatch, kib_parts):
+  events, stage = [], checkpoint._stage
+
+  def staging(view, runs):
+    events.append(("copy", view.arrays.index(runs[0].arrays[0])))
+    return stage(view, runs)
+
+  monkeypatch.setattr(checkpoint, "_stage", staging)
+  slow_writes(monkeypatch, events)
+  state = kib_arrays(8)
+  save_steps_with(tmp_path, state, staging_bytes=kib_parts)
+  assert sorted(index for kind, index in events if kind == "written") == list(range(8))
+  assert in_flight(events, "write", "written") == checkpoint.WRITERS  # written at once
+  assert in_flight(events, "copy", "written") == checkpoint.WRITERS + 1  # and the next copied meanwhile
+  manifest = json.loads((tmp_path / "1" / "state" / "manifest.json").read_text())
+  assert [(entry["name"], entry["part"]) for entry in manifest["arrays"]] == [(f"w{i:02d}", i) for i in range(8)]
   monkeypatch.undo()
   restored = Checkpointer(str(tmp_path), save_every=1).restore_latest(abstract_like(state))[1]
   assert all(np.array_equal(np.asarray(restored[name]), np.asarray(state[name])) for name in state)
 
 
-def test_a_restore_reads_the_next_part_while_one_is_placed_and_holds_two_parts_at_most(tmp_path, monkeypatch):
-  state = {f"w{i}": jnp.full((256,), i, jnp.float32) for i in range(5)}
-  save_steps_with(tmp_path, state, staging_bytes=checkpoint.PARTS_PER_BUDGET * checkpoint.PARTS_IN_FLIGHT * 1024)
-  events, verify, place = [], checkpoint._verify, checkpoint._place
+def slow_reads_and_places(monkeypatch, events: list):
+  """Each part's read takes 0.2 s (a slow disk) and each array's placing 0.1 s (a slow transfer), recorded: ("read",
+  part) when its read starts, ("verified", part) when it is read, ("place", value) and ("placed", value) around
+  placing an array (of kib_arrays: its value names it)."""
+  check_files, verify, place = checkpoint._check_files, checkpoint._verify, checkpoint._place
+
+  def reading(directory, part, files):
+    events.append(("read", part))
+    time.sleep(0.2)
+    check_files(directory, part, files)
 
   def verifying(entry, value):
-    events.append(("read", entry["part"]))
     verify(entry, value)
+    events.append(("verified", entry["part"]))
 
   def placing(value, target):
-    index = sum(kind == "place" for kind, _ in events)
-    events.append(("place", index))
-    time.sleep(0.1)  # a slow transfer
+    events.append(("place", int(value[0])))
+    time.sleep(0.1)
     placed = place(value, target)
-    events.append(("placed", index))
+    events.append(("placed", int(value[0])))
     return placed
 
+  monkeypatch.setattr(checkpoint, "_check_files", reading)
   monkeypatch.setattr(checkpoint, "_verify", verifying)
   monkeypatch.setattr(checkpoint, "_place", placing)
-  restored = Checkpointer(str(tmp_path), save_every=1).restore_latest(abstract_like(state))[1]
-  assert [index for kind, index in events if kind == "read"] == [0, 1, 2, 3, 4]
-  assert events.index(("read", 1)) < events.index(("placed", 0))  # read while part 0 was placed
-  assert in_flight(events, "read", "placed") == checkpoint.PARTS_IN_FLIGHT
+
+
+def test_a_restore_reads_several_parts_at_once_while_one_is_placed_in_order_and_holds_writers_plus_one_at_most(
+    tmp_path, monkeypatch, kib_parts):
+  state = kib_arrays(8)
+  save_steps_with(tmp_path, state, staging_bytes=kib_parts)
+  events = []
+  slow_reads_and_places(monkeypatch, events)
+  checkpointer = Checkpointer(str(tmp_path), save_every=1, staging_bytes=kib_parts)
+  restored = checkpointer.restore_latest(abstract_like(state))[1]
+  assert [value for kind, value in events if kind == "placed"] == list(range(8))  # in manifest order
+  assert in_flight(events, "read", "verified") == checkpoint.WRITERS  # read at once
+  assert in_flight(events, "read", "placed") == checkpoint.WRITERS + 1  # while the one before them is placed
   assert all(np.array_equal(np.asarray(restored[name]), np.asarray(state[name])) for name in state)
+
+
+def test_a_checkpoint_of_larger_parts_is_read_fewer_at_a_time_within_the_same_bytes(tmp_path, monkeypatch, kib_parts):
+  state = kib_arrays(16)
+  save_steps_with(tmp_path, state, staging_bytes=4 * kib_parts)  # parts of 4 KiB, four arrays each
+  assert len(glob.glob(str(tmp_path / "1" / "state" / "part_*"))) == 4
+  events = []
+  slow_reads_and_places(monkeypatch, events)
+  restored = Checkpointer(str(tmp_path), save_every=1, staging_bytes=kib_parts).restore_latest(abstract_like(state))[1]
+  assert [value for kind, value in events if kind == "placed"] == list(range(16))
+  # WRITERS + 1 parts of 1 KiB: one 4 KiB part placed and one read ahead, as a single reader would.
+  events = [(kind, part) for kind, part in events if kind in ("read", "placed") and (kind == "read" or part % 4 == 3)]
+  assert in_flight(events, "read", "placed") == 2
+  assert all(np.array_equal(np.asarray(restored[name]), np.asarray(state[name])) for name in state)
+
+
+def test_a_writer_that_fails_mid_save_leaves_nothing_partial_and_the_checkpoints_before_intact(
+    tmp_path, monkeypatch, kib_parts):
+  state = kib_arrays(8)
+  save_steps_with(tmp_path, state, staging_bytes=kib_parts)
+  before = {path: open(path, "rb").read() for path in glob.glob(str(tmp_path / "1" / "**"), recursive=True)
+            if os.path.isfile(path)}
+  events = []
+  slow_writes(monkeypatch, events, fail_at=2)
+  checkpointer = Checkpointer(str(tmp_path), save_every=1, keep=5, staging_bytes=kib_parts)
+  with pytest.raises(CheckpointWriteError, match="failed: the disk is full"):
+    checkpointer.save(2, {name: value + 1 for name, value in state.items()}, {})
+  assert in_flight(events, "write", "written") >= 2  # the other writers were writing when part 2 failed
+  started = {index for kind, index in events if kind == "write"}
+  assert started == {index for kind, index in events if kind in ("written", "failed")}  # and finished first
+  assert sorted(os.listdir(tmp_path)) == ["1"]
+  assert before == {path: open(path, "rb").read() for path in glob.glob(str(tmp_path / "1" / "**"), recursive=True)
+                    if os.path.isfile(path)}
+  monkeypatch.undo()
+  step, restored, _ = checkpointer.restore_latest(abstract_like(state))
+  assert step == 1 and all(np.array_equal(np.asarray(restored[name]), np.asarray(state[name])) for name in state)
+  assert checkpointer.save(2, state, {})  # the next save goes through
 
 
 def save_steps_with(directory, state, staging_bytes: int):
