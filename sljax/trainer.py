@@ -105,7 +105,14 @@ class Step(typing.Protocol):
 
   def evaluate(self, state, batch: dict[str, np.ndarray]) -> tuple[typing.Any, jax.Array]:
     """(`settle(state)`, the loss of `batch` on its params), forward only: nothing else changes. May donate
-    `state`."""
+    `state`; None where the step has none."""
+
+  def checkpoint(self, state) -> typing.Any:
+    """What a checkpoint of the settled `state` holds: a sljax.checkpoint.View (an engine's per-layer arrays,
+    sljax.checkpoint_layout) or the state itself."""
+
+  def checkpoint_target(self, key: jax.Array) -> typing.Any:
+    """What a restore places (a View), or None: the arrays of `abstract(key)` as they are."""
 
 
 def check_workdir(workdir: str):
@@ -324,13 +331,13 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
   """
   device = jax.devices()[0]
   key = jax.random.key(source.cfg.seed)
-  if run_cfg.eval_every and getattr(engine, "evaluate", None) is None:
+  if run_cfg.eval_every and engine.evaluate is None:
     raise ValueError("--eval_every: this training step has no evaluate")
   eval_batches = source.eval_batches(run_cfg.eval_batches) if run_cfg.eval_every else []
   directory = os.path.join(run_cfg.workdir, "checkpoints")
   # What a checkpoint holds of the state (an engine's: per layer, sljax.checkpoint_layout) and what a restore places.
-  checkpoint_of = getattr(engine, "checkpoint", lambda state: state)
-  restore_target = lambda: getattr(engine, "checkpoint_target", lambda key: None)(key) or engine.abstract(key)
+  checkpoint_of = engine.checkpoint
+  restore_target = lambda: engine.checkpoint_target(key) or engine.abstract(key)
   if run_cfg.saves:  # before anything is written: a run must not find out at its first save
     saves = run_cfg.steps if run_cfg.checkpoint_minutes else -(-run_cfg.steps // run_cfg.checkpoint_every)
     check_disk(directory, saved_bytes(restore_target()), run_cfg.keep_checkpoints,
