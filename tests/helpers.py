@@ -119,3 +119,19 @@ def generate_cases(cases: list[list[str]], timeout: int = 300) -> subprocess.Com
   of {"records": ...} or {"exit": the SystemExit's message}, one per case."""
   return subprocess.run([sys.executable, "-c", GENERATE_CASES, json.dumps(cases)], cwd=REPO, capture_output=True,
                         text=True, timeout=timeout)
+
+
+# ---- the benchmarks' smoke modes (tests/test_benchmarks.py, tests/test_benchmarks_training.py) --------------------
+
+def benchmark_smoke(module: str, tmp_path, *args: str) -> dict:
+  """Runs `python -m benchmarks.<module> --smoke --out=... args` from the repository root; its results JSON."""
+  out = tmp_path / "result.json"
+  done = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--smoke", f"--out={out}", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return json.loads(out.read_text())
+
+
+def has_provenance(result: dict, module: str) -> bool:
+  return (result["command"].startswith(f"python -m benchmarks.{module} --smoke") and result["date"]
+          and result["versions"]["jax"] and "XLA_PYTHON_CLIENT_MEM_FRACTION" in result["env"])

@@ -1,0 +1,180 @@
+"""The training benchmarks' smoke modes (throughput, scaling, kernel ceilings, train.py runs, resumes, LoRA and the
+DeepSpeed/FSDP baseline): each runs its code path on tiny shapes, as a module from the repository root. Apart from
+tests/test_benchmarks.py so that `--dist loadfile` gives the two halves of the benchmarks' time to two workers."""
+
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.common import TRAINING_SMOKE
+from models.presets import get_config
+
+from helpers import REPO, benchmark_smoke, has_provenance
+
+
+@pytest.fixture(scope="module")
+def train_throughput(tmp_path_factory) -> dict:
+  """One smoke results file made as the GPU run makes it: the engine cases in one process (big traced), the model that
+  fits in another, --merge collecting both."""
+  tmp_path = tmp_path_factory.mktemp("train_throughput")
+  benchmark_smoke("train_throughput", tmp_path, "--cases=big,big_clip,llama7b", "--steps=1")
+  return benchmark_smoke("train_throughput", tmp_path, "--cases=fits", "--merge", "--steps=1",
+                         "--fits_cases=device_remat,device_no_remat,engine,per_micro_batch")
+
+
+def by_case(result: dict) -> dict:
+  cases = [r["case"] for r in result["results"]]
+  assert len(cases) == len(set(cases)), cases
+  return {r["case"]: r for r in result["results"]}
+
+
+@pytest.mark.slow
+def test_train_throughput_smoke_runs_every_case_and_merges_the_runs(train_throughput):
+  assert has_provenance(train_throughput, "train_throughput") and train_throughput["device"] == "cpu"
+  cases = by_case(train_throughput)
+  assert list(cases) == ["big", "big_clip", "llama7b", "fits/device_remat", "fits/device_no_remat", "fits/engine",
+                         "fits/per_micro_batch"]
+  assert all(case["tokens_per_s"] > 0 and case["losses"][0] > 0 and 0 < case["mfu"] <= case["hfu"]
+             for case in cases.values())
+  # Each result says which run made it.
+  assert "--cases=big,big_clip,llama7b" in cases["big"]["command"] and "--merge" in cases["fits/engine"]["command"]
+
+
+@pytest.mark.slow
+def test_train_throughput_smoke_records_the_kernel_ceilings_beside_each_engine_step(train_throughput):
+  for name in ("big", "big_clip", "llama7b", "fits/engine"):
+    case = by_case(train_throughput)[name]
+    assert case["ceiling_mfu_full_recompute"] > 0 and case["ceiling_mfu_residuals_kept"] > 0
+    assert case["ceiling_mfu_schedule_sustained"] > 0 and case["ceiling_mfu_full_recompute_sustained"] > 0
+    kernels = case["kernel_ceiling"]  # at the step's shape: one row in smoke
+    assert (kernels["rows"] * kernels["sub_batches"], kernels["seq_len"], kernels["live_layers"]) == (
+        1, train_throughput["seq_len"], case["engine"]["live_layers"])
+    assert kernels["sub_batches"] == case["engine"]["sub_batches"]
+
+
+@pytest.mark.slow
+def test_train_throughput_smoke_runs_big_clip_and_llama7b_as_train_py_would(train_throughput):
+  cases = by_case(train_throughput)
+  assert cases["big"]["engine"]["grad_clip_norm"] == 0
+  for name, preset in (("big_clip", "llama13b"), ("llama7b", "llama7b")):
+    assert cases[name]["engine"]["grad_clip_norm"] == 1.0 and "clip 1," in cases[name]["optimizer"]
+    # The smoke gives the batch (one row); on a GPU the plan chooses it.
+    assert any(line.startswith(f"plan for {preset}, batch 1 x ") for line in cases[name]["launch_output"])
+
+
+@pytest.mark.slow
+def test_train_throughput_smoke_traces_the_big_step(train_throughput):
+  big = by_case(train_throughput)["big"]
+  # A CPU's trace has no GPU lanes: read, but no busy fraction.
+  assert big["trace"]["events"] > 0 and big["gpu_busy_fraction"] is None and big["traced_step_seconds"] > 0
+  assert big["untraced_busy_fraction"] is None
+  assert "trace" not in by_case(train_throughput)["big_clip"]
+
+
+@pytest.mark.slow
+def test_train_throughput_smoke_compares_the_engine_with_the_faster_device_step(train_throughput):
+  cases, ratios = by_case(train_throughput), train_throughput["ratios"]
+  assert cases["fits/device_remat"]["remat"] and not cases["fits/device_no_remat"]["remat"]
+  best = max(("fits/device_remat", "fits/device_no_remat"), key=lambda name: cases[name]["tokens_per_s"])
+  assert ratios["fits/best_device"] == best
+  assert ratios["fits/engine_over_best_device"] == pytest.approx(
+      cases["fits/engine"]["tokens_per_s"] / cases[best]["tokens_per_s"])
+  assert ratios["engine_over_all_on_device"] == pytest.approx(
+      cases["fits/engine"]["tokens_per_s"] / cases["fits/device_remat"]["tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_train_throughput_names_an_unknown_case(tmp_path):
+  done = subprocess.run([sys.executable, "-m", "benchmarks.train_throughput", "--smoke", "--cases=big,bigg"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert done.returncode != 0 and "--cases: unknown bigg; choose from big, big_clip, llama7b, fits" in done.stderr
+
+
+@pytest.mark.slow
+def test_train_scaling_smoke_runs_fsdp_over_two_devices(tmp_path):
+  result = benchmark_smoke("train_scaling", tmp_path, "--cases=fsdp", "--steps=1")
+  assert has_provenance(result, "train_scaling") and result["devices"] == 8
+  (case,) = result["results"]
+  assert case["mesh"] == {"data": 1, "fsdp": 2} and case["bytes_per_step"]["between_devices"] > 0
+
+
+@pytest.mark.slow
+def test_kernel_ceiling_smoke_times_the_three_kernels(tmp_path):
+  result = benchmark_smoke("kernel_ceiling", tmp_path)
+  assert has_provenance(result, "kernel_ceiling") and result["model"] == "llama13b"
+  assert all(result[f"{kernel}_ms"] > 0 and len(result["ms_all"][kernel]) == result["repeats"]
+             for kernel in ("forward", "recompute_backward", "residuals_kept"))
+  # Four layers x four sub-batches of each kernel make the step, timed alone and back to back (sustained).
+  for sustained in ("", "_sustained"):
+    assert result[f"step_s_full_recompute{sustained}"] == pytest.approx(
+        16e-3 * (result[f"forward_ms{sustained}"] + result[f"recompute_backward_ms{sustained}"]))
+    assert result[f"step_s_residuals_kept{sustained}"] == pytest.approx(16e-3 * result[f"residuals_kept_ms{sustained}"])
+  # The step's model FLOPs (the head's too, as the step's MFU counts them) over that time at the device's peak.
+  cfg = get_config("llama13b", TRAINING_SMOKE)
+  step_flops = result["rows"] * result["seq_len"] * result["sub_batches"] * cfg.flops_per_token(result["seq_len"])
+  assert result["ceiling_mfu_full_recompute"] == pytest.approx(
+      step_flops / (result["step_s_full_recompute"] * result["peak_flops"]))
+  # The same time counted with the recomputed forward (CPU timings are too noisy to order the two steps).
+  assert 0 < result["ceiling_mfu_full_recompute"] < result["ceiling_hfu_full_recompute"]
+  assert result["ceiling_mfu_residuals_kept"] > 0
+
+
+@pytest.mark.slow
+def test_resume_placement_smoke_resumes_another_engines_checkpoint_beside_the_uninterrupted_run(tmp_path):
+  result = benchmark_smoke("resume_placement", tmp_path, "--steps=2", "--save_at=1")
+  assert has_provenance(result, "resume_placement")
+  uninterrupted, saved, resumed = result["runs"]
+  assert [run["returncode"] for run in result["runs"]] == [0, 0, 0]
+  assert sorted(saved["losses"]) == ["1"] and sorted(resumed["losses"]) == ["2"]
+  assert "--engine=device" in resumed["command"] and any("resumed from" in note for note in resumed["notes"])
+  assert resumed["max_rel_diff"] < 1e-4  # another engine's rounding (fp32: measured 2.9e-5)
+  assert saved["max_rel_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_train_py_run_smoke_reads_the_plan_windows_and_every_loss(tmp_path):
+  result = benchmark_smoke("train_py_run", tmp_path)
+  assert result["returncode"] == 0 and result["plan"].startswith("plan for llama-tiny")
+  assert result["command"].startswith("python train.py --model=llama-tiny") and result["versions"]["jax"]
+  assert len(result["losses"]) == 12 and all(loss > 0 for loss in result["losses"])
+  assert [w["last_step"] for w in result["windows"]] == [1, 4, 8, 12] and result["tokens_per_s_steady"] > 0
+  assert (tmp_path / "result.log").read_text().count("loss ") > 0
+
+
+def test_train_py_run_reads_a_lora_plan():
+  from benchmarks.train_py_run import summarize
+  plan = ["plan for llama70b, batch 8 x 2048:", "LoRA plan: batch 8 as 1 sub-batches, 58 base layers resident",
+          "  pinned host 35.1 GiB (streamed base layers 35.1)",
+          "  forward: compute 3.24 s, copies 0.71 s; backward: compute 6.48 s, copies 0.71 s (compute-bound)"]
+  result = summarize(["--lora_rank=16"], "\n".join(["note: a", *plan, "recipe of llama70b"]), [13.1], 1.0, 1)
+  assert result["plan"] == "\n".join(plan) and result["goals"]["plan_compute_bound"] is True
+
+
+@pytest.mark.slow
+def test_deepspeed_baseline_smoke_on_torch_fsdp(tmp_path):
+  """The baseline's PyTorch FSDP2 backend needs only the CPU torch of requirements.txt."""
+  result = benchmark_smoke("baselines.deepspeed_zero3", tmp_path, "--backend=fsdp_cpu_offload")
+  assert result["status"] == "ok" and len(result["step_s"]) == 2 and result["versions"]["torch"]
+
+
+@pytest.mark.slow
+def test_deepspeed_baseline_smoke_on_deepspeed(tmp_path):
+  pytest.importorskip("deepspeed", reason="DeepSpeed is installed only on the GPU machine (install_deepspeed.sh)")
+  result = benchmark_smoke("baselines.deepspeed_zero3", tmp_path)
+  assert result["status"] == "ok" and result["backend"] == "deepspeed"
+
+
+@pytest.mark.slow
+def test_vs_deepspeed_smoke_reports_both_systems_and_their_ratio(tmp_path):
+  pytest.importorskip("deepspeed", reason="DeepSpeed is installed only on the GPU machine (install_deepspeed.sh)")
+  result = benchmark_smoke("vs_deepspeed", tmp_path, "--models=fits")
+  assert result["runs"]["fits"]["ratio_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_lora_benchmark_smoke_streams_part_of_the_base_and_resumes_exactly(tmp_path):
+  (result,) = benchmark_smoke("lora_throughput", tmp_path, f"--workdir={tmp_path / 'checkpoint'}")["results"]
+  assert 0 < result["plan"]["resident_layers"] < 8
+  assert result["pcie_bytes_per_step"]["host_to_device"] > result["plan_host_bytes"]["streamed base layers"]
+  assert result["checkpoint"]["equal"] and result["tokens_per_s"] > 0
