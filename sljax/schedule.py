@@ -446,7 +446,8 @@ class Engine:
       group = {name: value for name, value in group.items() if name != "weights"}
       if self.separate_weights and not self.state_on_device[g]:
         master = self.place.to_device(group["master"], self.place.state_spec)
-        group["weights"] = self.place.to_host(self._cast(master), self.place.state_spec)
+        # Waited for: dispatched ahead, every host group's master would be on the device at once.
+        group["weights"] = jax.block_until_ready(self.place.to_host(self._cast(master), self.place.state_spec))
       groups.append(group)
     return {**state, "groups": groups}
 
