@@ -559,6 +559,11 @@ class Checkpointer:
   def __init__(self, directory: str, save_every: int, keep: int = 2, staging_bytes: int = STAGING_BYTES):
     self.directory = os.path.abspath(directory)
     self.save_every = save_every
+    if jax.process_index() == 0:
+      # A save a killed run left half-written is removed here: the caller holds the workdir (trainer.hold_workdir),
+      # so no other run is writing it.
+      for path in partial_saves(self.directory):
+        shutil.rmtree(path, ignore_errors=True)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
     handlers = {"state": StateHandler(staging_bytes), "meta": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -638,17 +643,28 @@ class Checkpointer:
     self.manager.close()
 
 
+def saved_steps(directory: str) -> list[int]:
+  """The steps of the complete checkpoints under `directory` (orbax renames a save to its step when it is whole)."""
+  return sorted(int(name) for name in os.listdir(directory) if name.isdigit()) if os.path.isdir(directory) else []
+
+
+def partial_saves(directory: str) -> list[str]:
+  """The temporary directories of saves that never completed (a run killed while saving) under `directory`."""
+  return glob.glob(os.path.join(directory, "*.orbax-checkpoint-tmp*"))
+
+
 def check_disk(directory: str, checkpoint_bytes: int, keep: int, saves: int):
   """Raises DiskSpaceError, before anything is written, when the disk under `directory` cannot hold what the run will
   keep there: `min(keep, saves)` checkpoints of `checkpoint_bytes` (each save is written before the oldest is
-  deleted, so one more while keeping `keep`), less those already there that will be deleted."""
-  existing = len([name for name in os.listdir(directory) if name.isdigit()]) if os.path.isdir(directory) else 0
+  deleted, so one more while keeping `keep`), less those already there that will be deleted. What a killed save left
+  (partial_saves) counts as free: the Checkpointer removes it before it writes."""
+  existing = len(saved_steps(directory))
   at_once = min(keep + 1, existing + saves)
   needed = max(at_once - existing, 0) * checkpoint_bytes
   probe = os.path.abspath(directory)
   while not os.path.exists(probe):
     probe = os.path.dirname(probe)
-  free = shutil.disk_usage(probe).free
+  free = shutil.disk_usage(probe).free + sum(_tree_size(path) for path in partial_saves(directory))
   if needed > free:
     raise DiskSpaceError(
         f"checkpoints need {needed / 1e9:.1f} GB free under {directory} ({at_once} of {checkpoint_bytes / 1e9:.1f} "
@@ -656,6 +672,10 @@ def check_disk(directory: str, checkpoint_bytes: int, keep: int, saves: int):
         + (f", {existing} already there" if existing else "") + f") but {free / 1e9:.1f} GB is free; keep fewer "
         f"(--keep_checkpoints=1), save to a larger disk (--workdir), or train without checkpoints "
         f"(--checkpoint_every=0)")
+
+
+def _tree_size(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
 
 
 def _innermost(error: BaseException) -> BaseException:

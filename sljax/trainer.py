@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from sljax import metrics
-from sljax.checkpoint import Checkpointer, check_disk, saved_bytes
+from sljax.checkpoint import Checkpointer, check_disk, saved_bytes, saved_steps
 from sljax.data import Source
 from sljax.memory import MemoryPeaks
 
@@ -339,7 +339,10 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
   checkpoint_of = engine.checkpoint
   restore_target = lambda: engine.checkpoint_target(key) or engine.abstract(key)
   if run_cfg.saves:  # before anything is written: a run must not find out at its first save
-    saves = run_cfg.steps if run_cfg.checkpoint_minutes else -(-run_cfg.steps // run_cfg.checkpoint_every)
+    # The saves after the newest checkpoint, the one a resume starts from.
+    done = max(saved_steps(directory), default=0)
+    saves = (run_cfg.steps - done if run_cfg.checkpoint_minutes
+             else -(-run_cfg.steps // run_cfg.checkpoint_every) - done // run_cfg.checkpoint_every)
     check_disk(directory, saved_bytes(restore_target()), run_cfg.keep_checkpoints,
                saves=saves)  # the last step's save, if not one of them
   hold_workdir(run_cfg.workdir)  # refused while another run holds it; released when this call returns

@@ -79,6 +79,26 @@ def test_checkpoint_scale_smoke_resumes_with_the_uninterrupted_losses(tmp_path):
 
 
 @pytest.mark.slow
+def test_checkpoint_kill_smoke_kills_a_save_and_the_same_command_resumes_with_its_losses(tmp_path):
+  result = benchmark_smoke("checkpoint_kill", tmp_path, f"--workdir={tmp_path / 'work'}")
+  kill, rerun = result["kill"], result["rerun"]
+  assert kill["returncode"] == -9 and kill["during_save"] and "4.orbax-checkpoint-tmp" in kill["partial_directory"]
+  assert kill["checkpoints_after_kill"][0] == "2" and len(kill["checkpoints_after_kill"]) == 2
+  assert rerun["returncode"] == 0 and rerun["resumed_from"][0].endswith("at step 2")
+  assert rerun["checkpoints_after"] == ["2", "4"]  # the half-written save is gone, step 4 saved whole
+  assert result["steps_both_ran"] == [3, 4] and result["max_rel_diff"] <= 1e-6 and has_provenance(result, "checkpoint_kill")
+
+
+@pytest.mark.slow
+def test_export_scale_smoke_exports_a_run_and_transformers_gives_its_logits(tmp_path):
+  result = benchmark_smoke("export_scale", tmp_path)
+  assert result["logits_max_abs_diff"] <= 1e-5 and result["argmax_agreement"] == 1.0 and result["finite"]
+  assert "model.safetensors.index.json" in result["files"] and result["model"]["num_hidden_layers"] == 3
+  assert result["export_peak_rss_gib"] > 0 and result["transformers_forward"]["from_pretrained_seconds"] > 0
+  assert has_provenance(result, "export_scale")
+
+
+@pytest.mark.slow
 def test_int4_matmul_smoke_times_every_variant_and_they_agree(tmp_path):
   result = benchmark_smoke("int4_matmul", tmp_path)
   assert has_provenance(result, "int4_matmul")

@@ -106,6 +106,7 @@ def test_an_interrupted_save_never_replaces_the_last_good_checkpoint(tmp_path):
   for path in glob.glob(str(half_written / "state" / "**" / "d" / "*"), recursive=True):
     os.truncate(path, 0)
   checkpointer = Checkpointer(str(tmp_path), save_every=1)
+  assert not half_written.exists()  # removed on opening: its bytes are free for the next save
   step, restored, _ = checkpointer.restore_latest(abstract_like(state))
   assert step == 2
   np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.asarray(state["params"]["w"]))
@@ -427,6 +428,20 @@ def test_the_disk_is_checked_for_what_the_run_keeps(tmp_path, monkeypatch):
   assert "but 10.0 GB is free; keep fewer (--keep_checkpoints=1)" in str(error.value)
   assert "(--checkpoint_every=0)" in str(error.value) and not (tmp_path / "checkpoints").exists()
   check_disk(str(tmp_path / "checkpoints"), int(4e9), keep=2, saves=1)  # a single save: 2 at once at most
+
+
+def test_the_disk_check_counts_a_killed_saves_leftovers_as_free(tmp_path, monkeypatch):
+  """A run killed while saving leaves orbax's temporary directory; the same command again must not be refused for
+  the space it takes (the Checkpointer removes it before writing). Seen on the H200: 4 GB left, the rerun refused."""
+  monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=int(5e9)))
+  directory = tmp_path / "checkpoints"
+  (directory / "2").mkdir(parents=True)
+  left = directory / "4.orbax-checkpoint-tmp-1764493200000000" / "state"
+  left.mkdir(parents=True)
+  (left / "part").write_bytes(b"\0" * 2_000_000)
+  check_disk(str(directory), int(7e6), keep=1, saves=1)  # 5 GB + the 2 MB left over
+  with pytest.raises(DiskSpaceError, match="but 5.0 GB is free"):
+    check_disk(str(directory), int(6e9), keep=1, saves=1)
 
 
 # ---- reading without a training state -------------------------------------------------------------------------------

@@ -323,6 +323,16 @@ def test_the_disk_check_counts_the_saves_the_run_makes(tmp_path, monkeypatch, st
   assert counted == [saves] and len(os.listdir(tmp_path / "run" / "checkpoints")) == min(saves, 2)
 
 
+def test_a_resumed_run_counts_only_the_saves_after_its_checkpoint(tmp_path, monkeypatch):
+  """The same command after a kill resumes at its newest checkpoint: it makes the saves after that one, not the whole
+  run's (on the H200 a rerun was refused for room it did not need)."""
+  train(tmp_path / "run", "--steps=4", "--checkpoint_every=2", *ENGINES["device"])
+  counted = []
+  monkeypatch.setattr(trainer, "check_disk", lambda *args, saves: counted.append(saves))
+  train(tmp_path / "run", "--steps=7", "--checkpoint_every=2", *ENGINES["device"])
+  assert counted == [2]  # steps 6 and 7 (the last), not 2, 4, 6 and 7
+
+
 def test_a_run_whose_updates_poison_the_state_saves_nothing_and_says_so(tmp_path, monkeypatch):
   make_engine = sljax.steps.all_on_device
 
