@@ -217,18 +217,28 @@ class StateHandler(ocp.CheckpointHandler):
                          "shape": list(value.shape), "part": index, "crc32": crc}
                         for (array, value), crc in zip(staged, crcs)]
 
-    # Up to `writers` parts are written while this thread stages the next; it waits for a writer to finish before
-    # handing that one on, so that writers + 1 parts are held at most. A failure anywhere ends the save: the writers
+    # Up to `writers` parts are written while this thread stages the next, and no more bytes than writers + 1 parts
+    # of part_bytes: a part is staged once a writer is free and the parts being written leave room for it (an array
+    # larger than a part is a part of its own: llama13b's fp32 embedding is 625 MiB, three parts' worth; on the H200
+    # four such in flight took a save 0.5 GiB past its staging budget). A failure anywhere ends the save: the writers
     # still running finish their part first (leaving the pool waits for them), then the first failure is raised.
+    budget = (self.writers + 1) * self.part_bytes
     with concurrent.futures.ThreadPoolExecutor(max_workers=self.writers) as pool:
-      writing = set()
+      writing = {}  # future -> the bytes of the part it writes
       for index, part in enumerate(_pack(_runs(view, self.part_bytes), self.part_bytes)):
+        size = sum(run.nbytes for run in part)
+
+        def wait_while(busy):
+          while writing and busy():
+            done, _ = concurrent.futures.wait(writing, return_when=concurrent.futures.FIRST_COMPLETED)
+            for written in done:
+              del writing[written]
+              written.result()
+
+        wait_while(lambda: sum(writing.values()) + size > budget)  # room to stage it beside those being written
         staged = _stage(view, part)
-        while len(writing) >= self.writers:
-          done, writing = concurrent.futures.wait(writing, return_when=concurrent.futures.FIRST_COMPLETED)
-          for written in done:
-            written.result()
-        writing.add(pool.submit(write, index, staged))
+        wait_while(lambda: len(writing) >= self.writers)  # a free writer
+        writing[pool.submit(write, index, staged)] = size
         del staged
         _return_freed_memory()
       for written in concurrent.futures.as_completed(writing):
