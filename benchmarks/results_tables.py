@@ -168,12 +168,15 @@ def scaling() -> str:
 
 def checkpoint_scale() -> str:
   r = _load("checkpoint_scale_h200.json")
-  peak, rss = r["peak_host_extra_gib"], r["rss_gib"]
+  peak, rss, disk = r["peak_host_extra_gib"], r["rss_gib"], r["disk_rates"]
   held = rss["after_save"] - rss["before_save"]
   rows = [["save", f"{r['save_seconds']:.1f}", f"{r['save_gb_per_s']:.2f}",
+           f"{disk['write_bytes_per_s'] / 1e9:.2f} ({r['save_fraction_of_disk']:.2f})",
            f"{peak['save']:.1f} GiB peak ({held:.1f} GiB of it still held after the save and reused by the next)"],
-          ["restore", f"{r['restore_seconds']:.1f}", f"{r['restore_gb_per_s']:.2f}", f"{peak['restore']:.1f} GiB peak"]]
-  return _table(["", "seconds", "GB/s", "host memory above the level before"], ["---", "---:", "---:", "---:"], rows)
+          ["restore", f"{r['restore_seconds']:.1f}", f"{r['restore_gb_per_s']:.2f}",
+           f"{disk['read_bytes_per_s'] / 1e9:.2f} ({r['restore_fraction_of_disk']:.2f})", f"{peak['restore']:.1f} GiB peak"]]
+  return _table(["", "seconds", "GB/s", "the disk's own GB/s (fraction reached)", "host memory above the level before"],
+                ["---", "---:", "---:", "---:", "---:"], rows)
 
 
 def generate_vs_peers() -> str:
