@@ -22,6 +22,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.common import REPO, define_flags, provenance, write_results
+from sljax.machines import configure_process
 
 define_flags("Trains a tiny run on CPU and exports it: checks the code path in seconds.")
 flags.DEFINE_string("checkpoint", "", "A train.py run's workdir (its newest checkpoint is exported).")
@@ -103,6 +104,7 @@ def main(argv):
   if FLAGS.part:
     tokens_BxS = np.load(FLAGS.tokens)
     if FLAGS.part == "jax":
+      configure_process()  # here only: the parent runs no jax, and its XLA settings would reach its children
       np.save(FLAGS.out, jax_logits(FLAGS.checkpoint, tokens_BxS, FLAGS.dtype))
       print(json.dumps({}))
     else:
