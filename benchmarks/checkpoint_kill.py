@@ -10,7 +10,6 @@ The same command then runs to --kill_at again; the results hold both runs' losse
 left on disk, and what the second run resumed from and left.
 """
 
-import glob
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ import time
 from absl import app, flags
 
 from benchmarks.common import REPO, define_flags, provenance, write_results
+from sljax.checkpoint import directory_bytes, partial_saves
 
 define_flags("A tiny model on CPU: checks the code path in seconds.")
 flags.DEFINE_string("workdir", "", "The run's workdir (default: a temporary directory, removed after).")
@@ -37,17 +37,6 @@ FLAGS = flags.FLAGS
 SMOKE_MODEL = ["--model=llama-tiny", "--set=num_layers=2", "--set=hidden_size=32", "--set=intermediate_size=64",
                "--set=num_heads=2", "--set=num_kv_heads=1", "--seq_len=32", "--batch_size=2", "--max_tokens=200000",
                "--warmup_steps=2", "--decay_steps=8", "--log_every=1"]
-
-
-def tree_bytes(path: str) -> int:
-  total = 0
-  for root, _, files in os.walk(path):
-    for name in files:
-      try:
-        total += os.path.getsize(os.path.join(root, name))
-      except OSError:  # renamed or removed meanwhile
-        pass
-  return total
 
 
 def losses_of(log: str) -> dict[int, float]:
@@ -86,9 +75,9 @@ def main(argv):
                                  start_new_session=True)
       partial, written = None, 0
       while process.poll() is None:
-        found = glob.glob(os.path.join(checkpoints, f"{FLAGS.kill_at}.orbax-checkpoint-tmp*"))
+        found = [path for path in partial_saves(checkpoints) if os.path.basename(path).startswith(f"{FLAGS.kill_at}.")]
         if found:
-          written = tree_bytes(found[0])
+          written = directory_bytes(found[0])
           if written >= kill_after:
             os.killpg(process.pid, signal.SIGKILL)
             partial = found[0]

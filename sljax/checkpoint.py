@@ -674,7 +674,7 @@ def check_disk(directory: str, checkpoint_bytes: int, keep: int, saves: int):
   probe = os.path.abspath(directory)
   while not os.path.exists(probe):
     probe = os.path.dirname(probe)
-  free = shutil.disk_usage(probe).free + sum(_tree_size(path) for path in partial_saves(directory))
+  free = shutil.disk_usage(probe).free + sum(directory_bytes(path) for path in partial_saves(directory))
   if needed > free:
     raise DiskSpaceError(
         f"checkpoints need {needed / 1e9:.1f} GB free under {directory} ({at_once} of {checkpoint_bytes / 1e9:.1f} "
@@ -684,8 +684,17 @@ def check_disk(directory: str, checkpoint_bytes: int, keep: int, saves: int):
         f"(--checkpoint_every=0)")
 
 
-def _tree_size(path: str) -> int:
-  return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+def directory_bytes(path: str) -> int:
+  """The bytes of the files under `path`; a file removed or renamed while it is walked (a save in progress) counts
+  nothing."""
+  total = 0
+  for root, _, names in os.walk(path):
+    for name in names:
+      try:
+        total += os.path.getsize(os.path.join(root, name))
+      except OSError:
+        pass
+  return total
 
 
 def _innermost(error: BaseException) -> BaseException:
