@@ -28,11 +28,12 @@ import time
 import jax
 import numpy as np
 from absl import app, flags
+from etils import epath
 
 import sljax
 from benchmarks.common import batch_of, define_flags, provenance, write_results
 from models.presets import build, get_config
-from sljax.checkpoint import Checkpointer, StateHandler
+from sljax.checkpoint import Checkpointer, StateHandler, StateRestore
 from sljax.checkpoint_layout import offload_view
 from sljax.machines import GIB, PINNED_POOL_ENV, configure_process
 from sljax.memory import PeakResident, resident_bytes, tree_bytes
@@ -47,6 +48,8 @@ flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 flags.DEFINE_float("staging_gib", 4.0, "The checkpointer's staging budget.")
 flags.DEFINE_float("pool_margin_gib", 4.0, "The host budget (and so XLA's pinned pool) is this far above what "
                    "the step keeps there.")
+flags.DEFINE_list("restore_readers", ["8"], "Restores again with these many parts read at once (the default is the "
+                  "save's writers), each timed with its peak host memory.")
 flags.DEFINE_integer("tail_layers", 0, "The last group's layers (EngineConfig.tail_layers; 0: one layer like the rest).")
 FLAGS = flags.FLAGS
 
@@ -116,6 +119,22 @@ def disk_rates(directory: str, sizes: list[int], chunk: int = 64 * 2**20) -> dic
           "write_bytes_per_s": total / write_seconds, "read_bytes_per_s": total / read_seconds}
 
 
+def restore_with_readers(readers: int, staging: int, abstract, on_disk: int) -> dict:
+  """The checkpoint restored again (from the disk) with `readers` parts read at once: seconds, rate, peak extra host
+  memory and where the time went."""
+  gc.collect()
+  drop_from_page_cache(checkpoint_files(FLAGS.workdir))
+  handler = StateHandler(staging, readers=readers)
+  with PeakResident(0.005) as restoring:
+    start = time.perf_counter()
+    state = jax.block_until_ready(handler.restore(epath.Path(FLAGS.workdir) / "3" / "state", StateRestore(abstract)))
+    seconds = time.perf_counter() - start
+  handler.close()
+  del state
+  return {"readers": readers, "seconds": seconds, "gb_per_s": on_disk / seconds / 1e9,
+          "peak_host_extra_gib": restoring.extra / GIB, "seconds_by_work": dict(handler.timings.seconds)}
+
+
 def engine_config(cfg) -> sljax.EngineConfig:
   layout = sljax.EngineConfig(sub_batches=4, live_layers=1, grad_clip_norm=1.0, tail_layers=FLAGS.tail_layers)
   return dataclasses.replace(layout, device_state_groups=len(layout.bounds(cfg.num_layers)) // 3)
@@ -163,6 +182,7 @@ def main(argv):
     start = time.perf_counter()
     checkpointer.save(3, offload_view(engine, state), {"data_step": 3})  # what train.py saves: per layer
     save_seconds = time.perf_counter() - start
+  save_timings = dict(checkpointer.state_handler.timings.seconds)
   gc.collect()
   after_save = resident_bytes()
   sizes = [os.path.getsize(path) for path in checkpoint_files(FLAGS.workdir)]
@@ -177,6 +197,7 @@ def main(argv):
     step, state, meta = checkpointer.restore_latest(abstract)
     jax.block_until_ready(state)
     restore_seconds = time.perf_counter() - start
+  restore_timings = dict(checkpointer.state_handler.timings.seconds)
   state, resumed = steps(state, 3, 3)
   # The same steps from a second restore: how far two runs from one bit-identical state differ on this machine
   # (GPU backward kernels may sum in a varying order), against how far the resumed run is from the uninterrupted one.
@@ -185,6 +206,8 @@ def main(argv):
   drop_from_page_cache(checkpoint_files(FLAGS.workdir))
   _, state, _ = checkpointer.restore_latest(abstract)
   state, resumed_again = steps(state, 3, 3)
+  del state
+  readers_sweep = [restore_with_readers(int(readers), staging, abstract, on_disk) for readers in FLAGS.restore_readers]
   checkpointer.close()
   shutil.rmtree(FLAGS.workdir, ignore_errors=True)
   disk = disk_rates(FLAGS.workdir + "_disk_rates", sizes)  # the checkpoint's files, on the same filesystem
@@ -206,6 +229,9 @@ def main(argv):
       "rss_gib": {"before_save": saving.start / GIB, "after_save": after_save / GIB,
                   "before_restore": restoring.start / GIB},
       "save_seconds": save_seconds, "restore_seconds": restore_seconds, "init_seconds": init_seconds,
+      "seconds_by_work": {"save": save_timings, "restore": restore_timings,
+                          "note": "summed over the threads doing each (writers, readers): where the time went"},
+      "restore_readers_sweep": readers_sweep,
       "save_gb_per_s": on_disk / save_seconds / 1e9, "restore_gb_per_s": on_disk / restore_seconds / 1e9,
       "disk_write_gb_per_s": disk["write_bytes_per_s"] / 1e9, "disk_read_gb_per_s": disk["read_bytes_per_s"] / 1e9,
       "save_fraction_of_disk": on_disk / save_seconds / disk["write_bytes_per_s"],

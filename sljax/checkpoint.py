@@ -32,6 +32,8 @@ import math
 import os
 import queue
 import shutil
+import threading
+import time
 import zlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -182,17 +184,36 @@ class _Run(NamedTuple):
   nbytes: int
 
 
+class Timings:
+  """Seconds spent per kind of work in the last save or restore, summed over the threads that did it (so the readers'
+  or writers' sums can exceed the wall time): where a save's or a restore's time goes."""
+
+  def __init__(self):
+    self.seconds, self._lock = collections.Counter(), threading.Lock()
+
+  @contextlib.contextmanager
+  def timed(self, kind: str):
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      with self._lock:
+        self.seconds[kind] += time.perf_counter() - start
+
+
 class StateHandler(ocp.CheckpointHandler):
   """Saves and restores a state (a View, or a pytree of jax arrays) part by part within `staging_bytes` of extra host
   memory, `writers` + 1 parts at a time: a save copies the next part out of device or pinned memory and checks it
-  while up to `writers` parts are written at once; a restore reads (and verifies) up to `writers` parts at once while
-  the one before them is placed."""
+  while up to `writers` parts are written at once; a restore reads (and verifies) up to `readers` (by default
+  `writers`) parts at once while the one before them is placed. `timings` says where the last one's time went."""
 
-  def __init__(self, staging_bytes: int = STAGING_BYTES):
+  def __init__(self, staging_bytes: int = STAGING_BYTES, readers: int | None = None):
     self.writers = writers_for(staging_bytes)
+    self.readers = readers or self.writers
     self.part_bytes = max(staging_bytes // (PARTS_PER_BUDGET * (self.writers + 1)), 1)
+    self.timings = Timings()
     self._idle = queue.SimpleQueue()  # an orbax Checkpointer per writer (or reader) thread
-    for _ in range(self.writers):
+    for _ in range(max(self.writers, self.readers)):
       self._idle.put(ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)))  # floats barely shrink
 
   @contextlib.contextmanager
@@ -206,12 +227,15 @@ class StateHandler(ocp.CheckpointHandler):
   def save(self, directory: epath.Path, args: StateSave):
     view = _as_view(args.state)
     entries, files = {}, {}
+    self.timings = timings = Timings()
 
     def write(index: int, staged: list):
       # Checksums here, in the writers, not in the thread that stages: zlib's CRC-32 (~3.6 GB/s on one core) would
       # otherwise hold up the next part's copy.
-      crcs = [_crc32(value) if isinstance(value, np.ndarray) else None for _, value in staged]
-      self._write_part(directory, index, [value for _, value in staged])
+      with timings.timed("checksum"):
+        crcs = [_crc32(value) if isinstance(value, np.ndarray) else None for _, value in staged]
+      with timings.timed("write"):
+        self._write_part(directory, index, [value for _, value in staged])
       files[index] = _file_sizes(directory, _part_name(index))
       entries[index] = [{"name": _name(array.path), "path": list(array.path), "dtype": np.dtype(value.dtype).name,
                          "shape": list(value.shape), "part": index, "crc32": crc}
@@ -229,14 +253,16 @@ class StateHandler(ocp.CheckpointHandler):
         size = sum(run.nbytes for run in part)
 
         def wait_while(busy):
-          while writing and busy():
-            done, _ = concurrent.futures.wait(writing, return_when=concurrent.futures.FIRST_COMPLETED)
-            for written in done:
-              del writing[written]
-              written.result()
+          with timings.timed("wait for writers"):
+            while writing and busy():
+              done, _ = concurrent.futures.wait(writing, return_when=concurrent.futures.FIRST_COMPLETED)
+              for written in done:
+                del writing[written]
+                written.result()
 
         wait_while(lambda: sum(writing.values()) + size > budget)  # room to stage it beside those being written
-        staged = _stage(view, part)
+        with timings.timed("stage"):
+          staged = _stage(view, part)
         wait_while(lambda: len(writing) >= self.writers)  # a free writer
         writing[pool.submit(write, index, staged)] = size
         del staged
@@ -261,14 +287,16 @@ class StateHandler(ocp.CheckpointHandler):
     assemblies = {array.leaf: _Assembly(view.leaves[array.leaf], self.part_bytes)
                   for array in view.arrays if array.layer is not None}
     placed = [None] * len(view.leaves)
+    self.timings = Timings()
     for entry, value in self._read_parts(directory, lambda entry: entry["name"] in into):
-      for array in into[entry["name"]]:
-        target = view.leaves[array.leaf]
-        if array.layer is None:
-          placed[array.leaf] = _place(value.astype(target.dtype, copy=False), target)
-        elif assemblies[array.leaf].add(array.layer, value):
-          placed[array.leaf] = assemblies.pop(array.leaf).result()
-      del value
+      with self.timings.timed("place"):
+        for array in into[entry["name"]]:
+          target = view.leaves[array.leaf]
+          if array.layer is None:
+            placed[array.leaf] = _place(value.astype(target.dtype, copy=False), target)
+          elif assemblies[array.leaf].add(array.layer, value):
+            placed[array.leaf] = assemblies.pop(array.leaf).result()
+        del value
     return view.build(placed)
 
   def read_arrays(self, directory: epath.Path, wanted=lambda path: True) -> dict[tuple, np.ndarray]:
@@ -294,16 +322,17 @@ class StateHandler(ocp.CheckpointHandler):
       # cannot read while tensorstore still reads the others, whose completions then print tracebacks.
       _check_files(directory, part, manifest["files"])
       as_numpy = [ocp.RestoreArgs(restore_type=np.ndarray)] * len(entries)
-      with self._checkpointer() as parts:
+      with self._checkpointer() as parts, self.timings.timed("read"):
         values = parts.restore(directory / part,
                                args=ocp.args.PyTreeRestore(item=[0] * len(entries), restore_args=as_numpy))
       kept = [(entry, value) for entry, value in zip(entries, values) if wanted(entry)]
-      for entry, value in kept:
-        _verify(entry, value)
+      with self.timings.timed("verify"):
+        for entry, value in kept:
+          _verify(entry, value)
       return kept
 
-    budget = (self.writers + 1) * self.part_bytes
-    with concurrent.futures.ThreadPoolExecutor(max_workers=self.writers) as pool:
+    budget = (self.readers + 1) * self.part_bytes
+    with concurrent.futures.ThreadPoolExecutor(max_workers=self.readers) as pool:
       ahead, following = collections.deque(), iter(indices)
       upcoming = next(following, None)
 
@@ -311,7 +340,7 @@ class StateHandler(ocp.CheckpointHandler):
         """Starts reading the next parts while fewer than `writers` are ahead and their bytes, with the `taken`
         bytes of the part the caller holds, fit the budget; one part ahead at least."""
         nonlocal upcoming
-        while upcoming is not None and len(ahead) < self.writers and (
+        while upcoming is not None and len(ahead) < self.readers and (
             not ahead or taken + sum(size for size, _ in ahead) + held[upcoming] <= budget):
           ahead.append((held[upcoming], pool.submit(read, upcoming)))
           upcoming = next(following, None)
@@ -319,7 +348,8 @@ class StateHandler(ocp.CheckpointHandler):
       read_ahead(0)
       while ahead:
         size, arrived = ahead.popleft()
-        part = arrived.result()
+        with self.timings.timed("wait for readers"):
+          part = arrived.result()
         read_ahead(size)
         while part:
           yield part.pop(0)
@@ -331,7 +361,7 @@ class StateHandler(ocp.CheckpointHandler):
     return read_manifest(directory)
 
   def close(self):
-    for _ in range(self.writers):
+    for _ in range(max(self.writers, self.readers)):
       self._idle.get().close()
 
 
@@ -575,7 +605,8 @@ class Checkpointer:
       for path in partial_saves(self.directory):
         shutil.rmtree(path, ignore_errors=True)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
-    handlers = {"state": StateHandler(staging_bytes), "meta": ocp.JsonCheckpointHandler()}
+    self.state_handler = StateHandler(staging_bytes)  # its timings say where the last save's or restore's time went
+    handlers = {"state": self.state_handler, "meta": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   def due(self, step: int) -> bool:

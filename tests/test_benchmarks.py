@@ -76,6 +76,11 @@ def test_checkpoint_scale_smoke_resumes_with_the_uninterrupted_losses(tmp_path):
   assert result["disk_rates"]["bytes"] == int(result["checkpoint_on_disk_gib"] * 2**30 + 0.5)
   assert result["disk_write_gb_per_s"] > 0 and result["disk_read_gb_per_s"] > 0
   assert result["save_fraction_of_disk"] == pytest.approx(result["save_gb_per_s"] / result["disk_write_gb_per_s"])
+  # Where the time went, and a restore with more parts read at once.
+  assert {"stage", "write", "checksum"} <= set(result["seconds_by_work"]["save"])
+  assert {"read", "verify", "place", "wait for readers"} <= set(result["seconds_by_work"]["restore"])
+  assert [run["readers"] for run in result["restore_readers_sweep"]] == [8]
+  assert result["restore_readers_sweep"][0]["seconds"] > 0
 
 
 @pytest.mark.slow
