@@ -48,8 +48,8 @@ flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 flags.DEFINE_float("staging_gib", 4.0, "The checkpointer's staging budget.")
 flags.DEFINE_float("pool_margin_gib", 4.0, "The host budget (and so XLA's pinned pool) is this far above what "
                    "the step keeps there.")
-flags.DEFINE_list("restore_readers", ["8"], "Restores again with these many parts read at once (the default is the "
-                  "save's writers), each timed with its peak host memory.")
+flags.DEFINE_list("restore_readers", [], "Restores again with these many parts read at once (the default is what the "
+                  "budget holds), each timed with its peak host memory.")
 flags.DEFINE_integer("tail_layers", 0, "The last group's layers (EngineConfig.tail_layers; 0: one layer like the rest).")
 FLAGS = flags.FLAGS
 
@@ -224,7 +224,7 @@ def main(argv):
       "device_resident_state_gib": device_resident / GIB,
       "pinned_pool_limit_gib": float(os.environ.get(PINNED_POOL_ENV, 0)),
       "staging_budget_gib": staging / GIB, "checkpoint_on_disk_gib": on_disk / GIB,
-      "part_mib": streaming.part_bytes / 2**20, "writers": streaming.writers,
+      "part_mib": streaming.part_bytes / 2**20, "writers": streaming.writers, "readers": streaming.readers,
       "peak_host_extra_gib": {"save": saving.extra / GIB, "restore": restoring.extra / GIB},
       "rss_gib": {"before_save": saving.start / GIB, "after_save": after_save / GIB,
                   "before_restore": restoring.start / GIB},

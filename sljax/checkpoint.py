@@ -12,10 +12,10 @@ placement restores it; any other pytree (a LoRA run's adapters) is saved as it i
 XLA's pinned host pool already holds the host-resident state, and orbax's own save stages every array through it at
 once (about twice the state in host memory). Here each part is copied into ordinary host memory, checked (finite) and
 handed to one of WRITERS writer threads (an orbax Checkpointer each), which checksum (CRC-32) and write that many
-parts at once while the next is copied; a restore reads and verifies that many parts at once while the one before them
-is placed, each array straight into its target sharding (memory kind and mesh included), in manifest order. So at most
-WRITERS + 1 parts are held, and parts are sized for that: the extra host memory is bounded by `staging_bytes`, never
-by the state's size.
+parts at once while the next is copied; a restore reads and verifies as many parts at once as the budget holds (a part
+read costs less memory than one written) while the one before them is placed, each array straight into its target
+sharding (memory kind and mesh included), in manifest order. Parts are sized for the writers + 1 in flight: the extra
+host memory is bounded by `staging_bytes`, never by the state's size.
 """
 
 import collections
@@ -64,6 +64,11 @@ STAGING_BYTES = 4 * GIB  # extra host memory a save or restore may use
 PARTS_PER_BUDGET = 4
 WRITERS = 4
 MIN_PART_BYTES = 64 * 2**20
+# A restore holds less per part than a save: orbax's read buffer and the numpy array it returns, about 2.3 part bytes
+# per part in flight on the H200 (12-layer llama13b, 205 MiB parts: 2.2 GiB with 5 parts in flight, 4.2 GiB with 9).
+# Reading is what bounds a restore (there, 4 readers left the placing thread waiting 18 of 32 s at 0.79 of the disk's
+# read rate; 8 reached 0.89), so a restore reads as many parts at once as the budget holds at this cost.
+RESTORE_BYTES_PER_PART_BYTE = 2.4
 # Manifest versions. 2: an engine's state is saved per layer (sljax.checkpoint_layout). 1: as the engine held it in
 # memory (layer groups stacked, compute copies included); read for its params and for pytrees saved as they are,
 # not resumed by an engine (sljax.resume says so).
@@ -204,13 +209,13 @@ class Timings:
 class StateHandler(ocp.CheckpointHandler):
   """Saves and restores a state (a View, or a pytree of jax arrays) part by part within `staging_bytes` of extra host
   memory, `writers` + 1 parts at a time: a save copies the next part out of device or pinned memory and checks it
-  while up to `writers` parts are written at once; a restore reads (and verifies) up to `readers` (by default
-  `writers`) parts at once while the one before them is placed. `timings` says where the last one's time went."""
+  while up to `writers` parts are written at once; a restore reads (and verifies) up to `readers` (by default as many
+  as the budget holds, `readers_for`) parts at once while the one before them is placed. `timings` says where the last one's time went."""
 
   def __init__(self, staging_bytes: int = STAGING_BYTES, readers: int | None = None):
     self.writers = writers_for(staging_bytes)
-    self.readers = readers or self.writers
     self.part_bytes = max(staging_bytes // (PARTS_PER_BUDGET * (self.writers + 1)), 1)
+    self.readers = readers or readers_for(staging_bytes, self.part_bytes, self.writers)
     self.timings = Timings()
     self._idle = queue.SimpleQueue()  # an orbax Checkpointer per writer (or reader) thread
     for _ in range(max(self.writers, self.readers)):
@@ -378,6 +383,15 @@ def writers_for(staging_bytes: int) -> int:
   return max(1, min(WRITERS, room))
 
 
+def readers_for(staging_bytes: int, part_bytes: int, writers: int) -> int:
+  """Parts a restore reads at once: as many as fit `staging_bytes` with the one being placed, at
+  RESTORE_BYTES_PER_PART_BYTE each, never fewer than the save's writers; as many as the writers when several processes
+  restore (each meets orbax's barriers part by part in the same order)."""
+  if jax.process_count() > 1:
+    return writers
+  return max(writers, int(staging_bytes // (RESTORE_BYTES_PER_PART_BYTE * part_bytes)) - 1)
+
+
 def _runs(view: View, part_bytes: int) -> list[_Run]:
   """The arrays of `view` (each path once) as runs of one leaf each: a leaf's consecutive layers together, those of a
   device-resident leaf larger than a part in runs of at most a part (a pinned-host leaf is read whole anyway)."""
@@ -481,7 +495,8 @@ class _Assembly:
       stop = min(self.next + self.chunk, self.layers)
       if any(i not in self.waiting for i in range(self.next, stop)):
         break
-      stacked = np.stack([self.waiting.pop(i) for i in range(self.next, stop)]).astype(self.target.dtype, copy=False)
+      layers = [self.waiting.pop(i) for i in range(self.next, stop)]
+      stacked = (layers[0][None] if len(layers) == 1 else np.stack(layers)).astype(self.target.dtype, copy=False)
       if self.chunk == self.layers:
         self.chunks.append(_place(stacked, self.target))
       else:

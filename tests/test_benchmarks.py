@@ -68,7 +68,8 @@ def test_trace_overlap_smoke_finds_the_copies_hidden_by_compute_and_the_idle_gap
 
 @pytest.mark.slow
 def test_checkpoint_scale_smoke_resumes_with_the_uninterrupted_losses(tmp_path):
-  result = benchmark_smoke("checkpoint_scale", tmp_path, f"--workdir={tmp_path / 'checkpoints'}", "--tail_layers=2")
+  result = benchmark_smoke("checkpoint_scale", tmp_path, f"--workdir={tmp_path / 'checkpoints'}", "--tail_layers=2",
+                           "--restore_readers=8")
   assert result["losses_equal"] and result["first_step_after_restore_equal"] and result["restored_step"] == 3
   assert result["engine"]["tail_layers"] == 2  # a tail group's state crosses the save and the restore too
   assert set(result["peak_host_extra_gib"]) == {"save", "restore"} and result["save_seconds"] > 0

@@ -25,7 +25,7 @@ from sljax.checkpoint import (CheckpointCorruptError, Checkpointer, CheckpointMi
 from sljax.memory import PeakResident
 from sljax.mesh import make_mesh
 from sljax.optim import OptimConfig, make_optimizer
-from sljax.resume import check_resumable
+from sljax.resume import check_resumable, resumed_moments
 from sljax.schedule import EngineConfig
 
 
@@ -191,6 +191,8 @@ def test_parts_shrink_as_writers_grow_and_a_small_budget_gets_fewer_writers_not_
   mib = 2**20
   handler = StateHandler()  # 4 GiB: PARTS_PER_BUDGET x (4 writers + 1) parts of 204.8 MiB
   assert (handler.writers, handler.part_bytes) == (4, 4 * 2**30 // 20)
+  # A restore holds about 2.4 part bytes per part in flight (a save 4): 8 parts fit, 7 read while one is placed.
+  assert handler.readers == 7
   handler.close()
   assert [checkpoint.writers_for(gib * 2**30) for gib in (0.25, 0.5, 1, 2)] == [1, 1, 3, 4]
   handler = StateHandler(2**30)  # 3 writers of 64 MiB parts, the floor
@@ -200,7 +202,7 @@ def test_parts_shrink_as_writers_grow_and_a_small_budget_gets_fewer_writers_not_
 
 @pytest.fixture
 def kib_parts(monkeypatch) -> int:
-  """A staging budget of 1 KiB parts, written and read WRITERS at a time (no floor under the part size)."""
+  """A staging budget of 1 KiB parts, written WRITERS at a time (no floor under the part size)."""
   monkeypatch.setattr(checkpoint, "MIN_PART_BYTES", 1)
   return checkpoint.PARTS_PER_BUDGET * (checkpoint.WRITERS + 1) * 1024
 
@@ -307,17 +309,19 @@ def slow_reads_and_places(monkeypatch, events: list):
   monkeypatch.setattr(checkpoint, "_place", placing)
 
 
-def test_a_restore_reads_several_parts_at_once_while_one_is_placed_in_order_and_holds_writers_plus_one_at_most(
+def test_a_restore_reads_several_parts_at_once_while_one_is_placed_in_order_and_holds_readers_plus_one_at_most(
     tmp_path, monkeypatch, kib_parts):
-  state = kib_arrays(8)
+  state = kib_arrays(12)
   save_steps_with(tmp_path, state, staging_bytes=kib_parts)
   events = []
   slow_reads_and_places(monkeypatch, events)
   checkpointer = Checkpointer(str(tmp_path), save_every=1, staging_bytes=kib_parts)
+  readers = checkpointer.state_handler.readers
+  assert readers == 7  # 20 parts' worth of budget at 2.4 part bytes a part in flight: 8 parts, one of them placed
   restored = checkpointer.restore_latest(abstract_like(state))[1]
-  assert [value for kind, value in events if kind == "placed"] == list(range(8))  # in manifest order
-  assert in_flight(events, "read", "verified") == checkpoint.WRITERS  # read at once
-  assert in_flight(events, "read", "placed") == checkpoint.WRITERS + 1  # while the one before them is placed
+  assert [value for kind, value in events if kind == "placed"] == list(range(12))  # in manifest order
+  assert in_flight(events, "read", "verified") == readers  # read at once
+  assert in_flight(events, "read", "placed") == readers + 1  # while the one before them is placed
   assert all(np.array_equal(np.asarray(restored[name]), np.asarray(state[name])) for name in state)
 
 
@@ -329,7 +333,7 @@ def test_a_checkpoint_of_larger_parts_is_read_fewer_at_a_time_within_the_same_by
   slow_reads_and_places(monkeypatch, events)
   restored = Checkpointer(str(tmp_path), save_every=1, staging_bytes=kib_parts).restore_latest(abstract_like(state))[1]
   assert [value for kind, value in events if kind == "placed"] == list(range(16))
-  # WRITERS + 1 parts of 1 KiB: one 4 KiB part placed and one read ahead, as a single reader would.
+  # readers + 1 parts of 1 KiB (8 KiB): one 4 KiB part placed and one read ahead, as a single reader would.
   events = [(kind, part) for kind, part in events if kind in ("read", "placed") and (kind == "read" or part % 4 == 3)]
   assert in_flight(events, "read", "placed") == 2
   assert all(np.array_equal(np.asarray(restored[name]), np.asarray(state[name])) for name in state)
@@ -666,6 +670,49 @@ def test_a_first_moment_saved_in_bf16_restores_as_fp32_and_back(tmp_path, caplog
   back = restore_placed(tmp_path / "fp32", placed_step(model, ONE_DEVICE_HOST, moments="bfloat16"))[1]
   save_placed(tmp_path / "again", bf16, back)  # bf16 -> fp32 is exact, so fp32 -> bf16 gives the saved values
   assert saved_arrays(tmp_path / "again" / "1") == saved_arrays(tmp_path / "bf16" / "1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restored", ["device", TWO_GROUPS])
+def test_8bit_moments_restore_into_another_placement_bit_for_bit(tmp_path, restored):
+  """Their codes (int8 m, uint8 v) and fp32 scales are optimizer leaves like any: saved per layer, restored into
+  another engine or grouping as they were. A run with float moments cannot restore them (no cast between codes and
+  floats): its request is refused before anything is allocated (sljax.resume.resumed_moments), a library caller's
+  restore here."""
+  model = placement_model()
+  first = placed_step(model, ONE_DEVICE_HOST, moments="int8")
+  state, _ = first.step(first.init(jax.random.key(0)), placement_batches(1)[0])
+  save_placed(tmp_path / "saved", first, state)
+  arrays = saved_arrays(tmp_path / "saved" / "1")
+  kinds = {(name.split(".")[2], name.split(".")[-1], dtype) for name, (dtype, _, _) in arrays.items()
+           if name.startswith("layers_opt.")}
+  assert kinds == {("mu", "codes", "int8"), ("nu", "codes", "uint8"), ("mu", "scales", "float32"),
+                   ("nu", "scales", "float32")}
+  second = placed_step(model, restored, moments="int8")
+  step, state, _ = restore_placed(tmp_path / "saved", second)
+  assert step == 1
+  save_placed(tmp_path / "again", second, state)
+  assert saved_arrays(tmp_path / "again" / "1") == arrays
+  with pytest.raises(CheckpointMismatchError, match="holds another training state than this run's"):
+    restore_placed(tmp_path / "saved", placed_step(model, restored, moments="float32"))
+
+
+@pytest.mark.parametrize("saved, asked, refused", [
+    ("int8", {"moments_dtype": "float32"}, True), ("bfloat16", {"moments_dtype": "int8"}, True),
+    ("bfloat16", {"moments_dtype": "float32"}, False), ("int8", {}, False)])
+def test_a_resume_asking_other_moments_than_8bit_ones_saved_is_refused_in_one_line(tmp_path, saved, asked, refused):
+  checkpointer = Checkpointer(str(tmp_path), save_every=1)
+  checkpointer.save(1, {"w": jnp.ones(3)}, {"optim": {"moments_dtype": saved}})
+  checkpointer.close()
+  request = SimpleNamespace(optim=asked)
+  if not refused:
+    assert resumed_moments(request, str(tmp_path)) == (None if asked else saved)
+    return
+  with pytest.raises(ValueError) as error:
+    resumed_moments(request, str(tmp_path))
+  assert str(error.value) == (
+      f"checkpoint {tmp_path / '1'} holds {saved} Adam moments, and this run asks for {asked['moments_dtype']}: a "
+      f"restore casts only between float dtypes; resume with --moments_dtype={saved}, or use another --workdir")
 
 
 @pytest.mark.slow
