@@ -50,13 +50,17 @@ flags.DEFINE_float("pool_margin_gib", 4.0, "The host budget (and so XLA's pinned
                    "the step keeps there.")
 flags.DEFINE_list("restore_readers", [], "Restores again with these many parts read at once (the default is what the "
                   "budget holds), each timed with its peak host memory.")
+flags.DEFINE_enum("moments_dtype", "bfloat16", ["bfloat16", "int8"], "Adam's moments (the README command's bf16 "
+                  "first moment, or 8-bit codes: --moments_dtype=int8).")
 flags.DEFINE_integer("tail_layers", 0, "The last group's layers (EngineConfig.tail_layers; 0: one layer like the rest).")
 FLAGS = flags.FLAGS
 
-# Host bytes per layer parameter with every group's state in pinned memory: fp32 master 4, Adam's bf16 first moment
-# 2 and fp32 second 4, the bf16 weight copy 2, and clipping's parked fp32 gradient 4 (the README's llama13b command).
-HOST_BYTES_PER_PARAM = 16
-DISK_BYTES_PER_PARAM = 10  # master 4, moments 2 + 4: a checkpoint holds no weight copy nor parked gradient
+# Checkpoint bytes per parameter: the fp32 master 4 and Adam's moments (a bf16 first 2 and fp32 second 4, or 8-bit
+# codes 1 + 1 and their scales, a byte per block of 256 rounded up); a checkpoint holds no weight copy nor parked
+# gradient. In pinned memory, with every group's state there, the bf16 weight copy 2 and clipping's parked fp32
+# gradient 4 come on top (the README's llama13b command).
+DISK_BYTES_PER_PARAM = {"bfloat16": 10, "int8": 6.1}
+HOST_EXTRA_BYTES_PER_PARAM = 6
 
 
 def model_config():
@@ -64,8 +68,8 @@ def model_config():
     return get_config("llama-tiny", {"remat": False, "dtype": "float32"}), 4, 16
   cfg = get_config("llama13b", {"remat": False})
   free = _free_disk(FLAGS.workdir)
-  outer = cfg.outer_param_count() * DISK_BYTES_PER_PARAM
-  layers = int(min(FLAGS.max_layers, (free * 0.9 - outer) // (cfg.layer_param_count() * DISK_BYTES_PER_PARAM)))
+  outer = cfg.outer_param_count() * DISK_BYTES_PER_PARAM[FLAGS.moments_dtype]
+  layers = int(min(FLAGS.max_layers, (free * 0.9 - outer) // (cfg.layer_param_count() * DISK_BYTES_PER_PARAM[FLAGS.moments_dtype])))
   if layers < 2:
     raise SystemExit(f"sljax: {free / 1e9:.1f} GB free under {FLAGS.workdir} holds no 2-layer checkpoint")
   return get_config("llama13b", {"remat": False, "num_layers": layers}), FLAGS.rows, FLAGS.seq_len
@@ -147,7 +151,8 @@ def host_budget_gib(cfg, rows, seq_len) -> int:
   stash = (len(bounds) - 1) * rows * seq_len * cfg.hidden_size * 2
   host_layers = sum(b - a for (a, b), on_device in zip(bounds, state_on_device(len(bounds), engine.device_state_groups))
                     if not on_device)
-  host = host_layers * cfg.layer_param_count() * HOST_BYTES_PER_PARAM + stash
+  host = host_layers * cfg.layer_param_count() * (
+      DISK_BYTES_PER_PARAM[FLAGS.moments_dtype] + HOST_EXTRA_BYTES_PER_PARAM) + stash
   return int(host / GIB + FLAGS.pool_margin_gib + 1)
 
 
@@ -156,7 +161,8 @@ def main(argv):
   configure_process(host_budget_gib(cfg, rows, seq_len))  # read when the backend starts, below
 
   model = build(cfg)
-  optim_cfg = OptimConfig(learning_rate=3e-4, warmup_steps=1, moments_dtype="bfloat16", grad_clip_norm=1.0)
+  optim_cfg = OptimConfig(learning_rate=3e-4, warmup_steps=1, moments_dtype=FLAGS.moments_dtype,
+                          grad_clip_norm=1.0)
   engine = sljax.Engine(model, make_optimizer(optim_cfg, clip=False), engine_config(cfg))
   rng = np.random.default_rng(0)
   batches = [batch_of(rows, seq_len, cfg.vocab_size, rng) for _ in range(6)]

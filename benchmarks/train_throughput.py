@@ -8,6 +8,9 @@ streaming baselines on a model that fits; beside each engine case, the MFU ceili
 Cases (--cases; each recorded with tokens/s, MFU, hardware FLOPs utilization, peak device / host memory, bytes moved):
   big        llama13b, seq 2048, batch --big_batch, the plan's placement for --host_memory_gib, AdamW without
              clipping (its training state fits neither the GPU nor host RAM alone)
+  big_like_deepspeed  llama13b at --big_batch (in --smoke too) with the optimizer of benchmarks.vs_deepspeed's
+             DeepSpeed baseline: AdamW (LIKE_DEEPSPEED: constant learning rate, b2 0.95) with fp32 master weights and
+             moments, clipped by the global norm at 1.0; --big_sub_batches, else the plan's, for --host_memory_gib
   big_clip   llama13b as the README's `python train.py --model=llama13b` runs it (sljax.launch): the recipe's AdamW
              clipped at 1.0, and the batch, placement and first-moment dtype the plan then chooses
   llama7b    llama7b, all 32 layers, as `python train.py --model=llama7b --engine=offload` runs it (the bare command
@@ -65,9 +68,10 @@ from sljax.schedule import Engine
 from sljax.steps import offload_engine
 from sljax.trainer import RunConfig
 
-CASES = ("big", "big_clip", "llama7b", "fits")
+CASES = ("big", "big_like_deepspeed", "big_clip", "llama7b", "fits")
 FITS_CASES = ("device_remat", "device_no_remat", "engine", "streamed", "per_micro_batch", "in_jit_scan")
-ENGINE_CASES = ("big", "big_clip", "llama7b", "fits/engine", "fits/streamed")  # the cases a trace can be taken of
+# The cases a trace can be taken of.
+ENGINE_CASES = ("big", "big_like_deepspeed", "big_clip", "llama7b", "fits/engine", "fits/streamed")
 
 define_flags("Tiny shapes: checks every code path on any machine in a minute or two.",
              out="Write the results JSON here (rewritten after every case).")
@@ -75,6 +79,9 @@ flags.DEFINE_list("cases", ",".join(CASES), f"Which cases to run, of {', '.join(
 flags.DEFINE_bool("merge", False, "Keep the results already in --out of the cases this run does not run (each case "
                   "run in its own process, all in one file); the ratios are then over all of them.")
 flags.DEFINE_integer("big_batch", 32, "llama13b effective batch of the big case (sequences of --seq_len).")
+flags.DEFINE_integer("big_sub_batches", 0, "big_like_deepspeed: sub-batches per step (0: the plan's).")
+flags.DEFINE_bool("kernel_ceilings", True, "After each engine case, its layer kernels' MFU ceilings at its shape "
+                  "(half a minute of device time per case on the H200).")
 flags.DEFINE_integer("fits_batch", 16, "Effective batch of the model that fits.")
 flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).")
@@ -85,8 +92,8 @@ flags.DEFINE_list("trace_cases", "big", f"Engine cases ({', '.join(ENGINE_CASES)
                   "gpu_busy_fraction and the idle gaps of that step.")
 flags.DEFINE_string("trace_dir", "", "Keep the traces (jax.profiler, perfetto) here (default: a temporary directory, "
                     "removed once read).")
-flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan of big may use (below XLA's pinned pool "
-                   "limit; the others plan for the default host budget, as train.py does).")
+flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plans of big and big_like_deepspeed may use "
+                   "(below XLA's pinned pool limit; the others plan for the default host budget, as train.py does).")
 flags.DEFINE_integer("llama7b_sub_batches", 0, "llama7b: sub-batches per step, as train.py's --sub_batches (0: the "
                      "plan's).")
 flags.DEFINE_integer("llama7b_tail_layers", 0, "llama7b: layers in the last group, as train.py's --tail_layers (0: "
@@ -138,6 +145,8 @@ def run_engine(name, engine: Engine, batch, steps, key):
   if name in FLAGS.trace_cases:
     state, traced = traced_step(engine, state, batch, seconds)
     result.update(traced)
+  if not FLAGS.kernel_ceilings:
+    return result
   del state  # the ceilings' kernels get the device the step had
   sub_batches = engine.cfg.sub_batches
   ceiling = ceilings(engine.model, rows // sub_batches, seq, sub_batches, engine.cfg.live_layers,
@@ -331,16 +340,42 @@ def model_of(preset: str, overrides: list[str]):
   return build(get_config(preset, {**parse_overrides(overrides), **smoke, "remat": False}))
 
 
-def big_case(seq, key):
-  """llama13b at --big_batch under the plan for --host_memory_gib, AdamW at 1e-4 without clipping."""
+# The optimizer of benchmarks/baselines/deepspeed_zero3.py (its ADAMW, CLIP_NORM and default --lr), for the case
+# that runs beside it; benchmarks.vs_deepspeed checks that the two records of it agree.
+LIKE_DEEPSPEED = dict(learning_rate=1e-5, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+LIKE_DEEPSPEED_CLIP_NORM = 1.0
+
+
+def optimizer_settings(optimizer, settings: dict, grad_clip_norm: float, cfg) -> dict:
+  """What big_like_deepspeed's optimizer computes, in the keys the DeepSpeed baseline records; the moments' dtype read
+  off optimizer.init's shapes for a parameter in cfg.param_dtype."""
+  state = jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((8,), cfg.param_dtype))
+  moments = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(state) if leaf.shape == (8,)})
+  return {"lr": settings["learning_rate"], "betas": [settings["b1"], settings["b2"]], "eps": settings["eps"],
+          "weight_decay": settings["weight_decay"], "decoupled_weight_decay": True, "grad_clip_norm": grad_clip_norm,
+          "master_dtype": str(jnp.dtype(cfg.param_dtype)), "moments_dtype": ",".join(moments),
+          "grad_accum_dtype": "float32",  # the engine's gradient accumulators, whatever the compute dtype
+          "compute_dtype": str(jnp.dtype(cfg.dtype))}
+
+
+def big_case(name, seq, key):
+  """llama13b under the plan for --host_memory_gib: big at --big_batch (one row in --smoke) with AdamW at 1e-4
+  without clipping, big_like_deepspeed at --big_batch with the DeepSpeed baseline's optimizer."""
   model = model_of("llama13b", [])
-  rows = TRAINING_SMOKE_ROWS if FLAGS.smoke else FLAGS.big_batch
+  if name == "big":
+    rows = TRAINING_SMOKE_ROWS if FLAGS.smoke else FLAGS.big_batch
+    optimizer, clip, sub_batches, extra = optax.adamw(1e-4, weight_decay=0.1), 0.0, 0, {}
+  else:
+    rows, clip, sub_batches = FLAGS.big_batch, LIKE_DEEPSPEED_CLIP_NORM, FLAGS.big_sub_batches
+    optimizer = optax.adamw(**LIKE_DEEPSPEED)
+    extra = {"optimizer_settings": optimizer_settings(optimizer, LIKE_DEEPSPEED, clip, model.cfg)}
   budget = dataclasses.replace(default_budget(), host_bytes=int(FLAGS.host_memory_gib * GIB))
-  plan = planner.make_plan(model, seq, rows, budget)
+  plan = planner.make_plan(model, seq, rows, budget, sub_batches=sub_batches, optimizer=optimizer,
+                           grad_clip_norm=clip)
   print(plan.describe(), flush=True)
-  engine = Engine(model, optax.adamw(1e-4, weight_decay=0.1), plan.engine)
-  result = run_engine("big", engine, batch_of(rows, seq, model.cfg.vocab_size), FLAGS.steps, key)
-  keep({**result, "plan": plan.describe(), "predicted_compute_s": plan.compute_seconds,
+  engine = Engine(model, optimizer, plan.engine)
+  result = run_engine(name, engine, batch_of(rows, seq, model.cfg.vocab_size), FLAGS.steps, key)
+  keep({**result, **extra, "plan": plan.describe(), "predicted_compute_s": plan.compute_seconds,
         "predicted_transfer_s": plan.transfer_seconds})
 
 
@@ -386,8 +421,9 @@ def main(argv):
   key = jax.random.key(0)
   seq = seq_len()
   RESULTS.extend(earlier_results(seq))
-  if "big" in FLAGS.cases:
-    big_case(seq, key)
+  for name in ("big", "big_like_deepspeed"):
+    if name in FLAGS.cases:
+      big_case(name, seq, key)
   if "big_clip" in FLAGS.cases:
     as_train_py_case("big_clip", "llama13b", seq, key)
   if "llama7b" in FLAGS.cases:

@@ -168,11 +168,14 @@ def gpu_peak_from_cpu(cpu_peak: int, call: str = "last_group") -> int:
   return int(cpu_peak * (measured - outputs) / temp)
 
 
-def optimizer_bytes_per_param(optimizer: optax.GradientTransformation, dtype=jnp.float32) -> float:
-  """Bytes of optimizer state per parameter of `dtype`, from optimizer.init's shapes (nothing is allocated). AdamW:
-  8, or 6 with a bf16 first moment (optax keeps the second in the params' dtype)."""
-  size = lambda n: tree_bytes(jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((n,), dtype)))
-  return (size(2048) - size(1024)) / 1024  # per-parameter leaves only: scalars such as the step count cancel
+def optimizer_state_bytes(optimizer: optax.GradientTransformation, params) -> int:
+  """Bytes of the optimizer's state for `params` (a tree of shapes), from optimizer.init's shapes (nothing is
+  allocated): its state for two copies of them stacked less that for one, so that the leaves every parameter shares
+  (Adam's step count) cancel. AdamW: 8 bytes per fp32 parameter, 6 with a bf16 first moment, ~2 with 8-bit moments
+  (their scales, one per block of a row, counted as the rows have them)."""
+  stacked = lambda n: jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), params)
+  size = lambda n: tree_bytes(jax.eval_shape(optimizer.init, stacked(n)))
+  return size(2) - size(1)
 
 
 def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches: int = 0, live_layers: int = 0,
@@ -185,7 +188,8 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   batch_size is this device's rows (the mesh splits every sub-batch over all devices) and the budgets are one
   device's. fsdp: devices the layer state is split over; each holds 1/fsdp of every group's master weights,
   optimizer state and host weight copy, and gathers a group's whole weights only while it runs. optimizer: the one the
-  engine will run, whose state is sized per parameter (default: AdamW with fp32 moments, 8 bytes). target: plan for
+  engine will run, whose state is sized from its init's shapes (default: AdamW with fp32 moments, 8 bytes per
+  parameter). target: plan for
   one GPU of that machine (its rates; made on a CPU, its compiled peak corrected by gpu_peak_from_cpu) instead of for
   this process's device (whose rates are the table's, or the reference machine's when it has none).
   device_state_groups: keep this many groups' state on the device instead of choosing; ValueError when they do
@@ -255,8 +259,9 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   groups, n = len(bounds), batch_size // sub_batch
   last_layers = bounds[-1][1] - bounds[-1][0]
   layer = sizes.layer_params
-  opt_bytes = 8 if optimizer is None else optimizer_bytes_per_param(optimizer, model.cfg.param_dtype)
-  state_per_layer = int(sizes.layer_master_bytes + layer * opt_bytes) // fsdp  # master weights + optimizer state
+  opt_bytes = lambda shapes: 2 * tree_bytes(shapes) if optimizer is None else optimizer_state_bytes(optimizer, shapes)
+  layer_opt_bytes = opt_bytes(sizes.layer_shapes)
+  state_per_layer = (sizes.layer_master_bytes + layer_opt_bytes) // fsdp  # master weights + optimizer state
   state_per_group = live * state_per_layer
   weights_per_group = live * sizes.layer_weight_bytes  # gathered whole on every device while the group runs
   act = sizes.activation_bytes(sub_batch, seq_len)
@@ -274,7 +279,7 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   # What the step keeps in flight (the schedule's own account of it), then the compiled calls' scratch. Where every
   # group's state fits on the device beside it, no state moves, and nothing is in flight for the updates.
   fixed = lambda host_state: {MARGIN: margin_bytes(target), **in_flight_bytes(
-      sizes, cfg, sub_batch, seq_len, state_per_layer, opt_bytes, fsdp, host_state)}
+      sizes, cfg, sub_batch, seq_len, state_per_layer, opt_bytes(sizes.outer_shapes), fsdp, host_state)}
   # The layers whose state (and parked gradient) the device keeps, with the compiled calls' scratch beside them: the
   # parked gradients are never there together with the last group's call (sljax.schedule.step_peak_bytes).
   needs = lambda layers: layers * state_per_layer + step_peak_bytes(*peaks, layers * parked_per_layer)
@@ -329,7 +334,8 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
         f"training state and activations need {needed / GIB:.1f} GiB; the device has {budget.device_bytes / GIB:.1f} "
         f"GiB and pinned host memory {budget.host_bytes / GIB:.1f} GiB (host part needs "
         f"{sum(host_bytes.values()) / GIB:.1f}); lower batch_size"
-        + (", or use bf16 moments (--moments_dtype=bfloat16)" if opt_bytes > 6 else "")
+        + (", or use narrower moments (--moments_dtype=bfloat16, int8)" if layer_opt_bytes > 6 * layer else
+           ", or use 8-bit moments (--moments_dtype=int8)" if layer_opt_bytes > 3 * layer else "")
         + ("; or turn off clipping (--grad_clip_norm=0), which holds every gradient until the global norm is known"
            if parked else ""))
 

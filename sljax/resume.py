@@ -1,13 +1,14 @@
 """What the checkpoint a run resumes from asks of the run, before anything is allocated. A full run's checkpoint
 (format 2, sljax.checkpoint_layout) fixes no placement: the run's own plan chooses the engine, layer groups and
-memory, and the restore lays the state out as it says; only the first moment's dtype is kept where the request
-leaves it open (`resumed_moments`). Format-1 checkpoints of an engine's state, which held its memory layout, are
+memory, and the restore lays the state out as it says; only the moments' dtype is kept where the request leaves it
+open (`resumed_moments`). Format-1 checkpoints of an engine's state, which held its memory layout, are
 refused in one line (`check_resumable`). A LoRA run's adapters and base must match (`check_lora_resume` against
 `lora_meta`, what a LoRA run's checkpoints record).
 """
 
 from sljax.checkpoint import FORMAT_1_REFUSED, newest_checkpoint, saved_format
 from sljax.lora.checkpoint import describe_base, run_meta
+from sljax.optim import INT8
 from sljax.request import Configs, Request
 
 
@@ -23,15 +24,22 @@ def check_resumable(workdir: str):
 
 
 def resumed_moments(request: Request, workdir: str) -> str | None:
-  """The first moment's dtype of the checkpoint in `workdir` that this run resumes from, unless the request names
-  one (None then, and where there is no checkpoint): a resume continues with the moments it saved where the plan has
-  room for them (where it has not, the plan's choice is taken and the restore casts them)."""
-  if "moments_dtype" in request.optim:
-    return None
+  """The moments dtype of the checkpoint in `workdir` that this run resumes from, unless the request names one (None
+  then, and where there is no checkpoint): a resume continues with the moments it saved where the plan has room for
+  them (where it has not, the plan's choice is taken and the restore casts them). A request for other moments than
+  the checkpoint's is refused (ValueError) where either is 8-bit: a restore casts between float dtypes only."""
   try:
-    return newest_checkpoint(workdir)[1].get("optim", {}).get("moments_dtype")
+    step_dir, meta = newest_checkpoint(workdir)
   except ValueError:
     return None
+  saved = meta.get("optim", {}).get("moments_dtype")
+  if "moments_dtype" not in request.optim:
+    return saved
+  asked = request.optim["moments_dtype"]
+  if saved is not None and saved != asked and INT8 in (saved, asked):
+    raise ValueError(f"checkpoint {step_dir} holds {saved} Adam moments, and this run asks for {asked}: a restore "
+                     f"casts only between float dtypes; resume with --moments_dtype={saved}, or use another --workdir")
+  return None
 
 
 def lora_meta(request: Request, configs: Configs) -> dict | None:

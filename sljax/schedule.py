@@ -103,10 +103,11 @@ def state_on_device(groups: int, device_groups: int) -> list[bool]:
 
 
 def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: int, state_per_layer: int,
-                    opt_bytes_per_param: float, fsdp: int = 1, host_state: bool = True) -> dict[str, int]:
+                    outer_opt_bytes: int, fsdp: int = 1, host_state: bool = True) -> dict[str, int]:
   """What `Engine.step` keeps on each device besides the groups' resident state, parked gradients and stash, by kind:
   the schedule's own account of its footprint, which the plan (sljax.plan) adds the compiled calls' scratch to.
   sizes: sljax.sizes.ModelSizes; state_per_layer: one layer's master weights + optimizer state on this device;
+  outer_opt_bytes: the embeddings' and head's optimizer state, whole;
   host_state: some group's state lives in host memory (else no state moves: updates donate it in place)."""
   bounds = cfg.bounds(sizes.num_layers)
   groups, last_layers, live = len(bounds), bounds[-1][1] - bounds[-1][0], cfg.live_layers
@@ -118,7 +119,7 @@ def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: in
       # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
       # per step) and the per-device gradient accumulator.
       "embeddings+head (params, moments, grads)": int(
-          (sizes.outer_master_bytes + sizes.outer_params * (opt_bytes_per_param + 4)) / fsdp
+          (sizes.outer_master_bytes + outer_opt_bytes + sizes.outer_params * 4) / fsdp
           + (sizes.outer_master_bytes + sizes.outer_params * 4 if fsdp > 1 else 0)),
       # The running group's and the next one's (the last group's while the first backward group's arrive).
       "group weights (2 in flight)": max(2 * weights_per_group,

@@ -2,7 +2,7 @@
 contract in models.common plans, not only the presets. Loads no engine, so inference can use it."""
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,10 @@ class ModelSizes:
   activation_itemsize: int  # bytes per element of h_BxSxD
   kv_bytes_per_token: int  # one layer's KV cache for one token of one row (0: the model does not generate)
   flops_per_token: Callable[[int], float]  # training model FLOPs per token at a sequence length
+  # The master weights' shapes (jax.ShapeDtypeStruct trees): one layer's, stacked on a leading axis of 1, and the
+  # embeddings' + head's; what an optimizer's state is sized from (sljax.plan.optimizer_state_bytes).
+  layer_shapes: Any = dataclasses.field(compare=False)
+  outer_shapes: Any = dataclasses.field(compare=False)
 
   def activation_bytes(self, rows: int, seq_len: int) -> int:
     return rows * seq_len * self.hidden * self.activation_itemsize
@@ -52,4 +56,5 @@ def model_sizes(model) -> ModelSizes:
       layer_master_bytes=tree_bytes(layer), outer_master_bytes=tree_bytes(outer),
       layer_weight_bytes=tree_bytes(weights),
       separate_weights=any(x.dtype != w.dtype for x, w in zip(jax.tree.leaves(layer), jax.tree.leaves(weights))),
-      hidden=h.shape[-1], activation_itemsize=h.dtype.itemsize, kv_bytes_per_token=kv_token, flops_per_token=flops)
+      hidden=h.shape[-1], activation_itemsize=h.dtype.itemsize, kv_bytes_per_token=kv_token, flops_per_token=flops,
+      layer_shapes=layer, outer_shapes=outer)

@@ -17,18 +17,17 @@ from sljax.lora.checkpoint import random_base_key
 from sljax.lora.engine import LoraEngine, LoraEngineConfig
 from sljax.lora.model import LoraConfig, LoraModel, split_adapters
 from sljax.machines import GIB, available_ram_bytes
-from sljax.memory import Placement
+from sljax.memory import Placement, tree_bytes
 from sljax.mesh import PER_DEVICE
 from sljax.optim import OptimConfig, make_optimizer
-from sljax.plan import optimizer_bytes_per_param
+from sljax.plan import optimizer_state_bytes
 from sljax.schedule import EngineConfig
 
 
 def training_state_bytes(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> int:
   """Master weights, gradients and the optimizer's state; activations come on top."""
-  param_bytes = jnp.dtype(model_cfg.param_dtype).itemsize
-  per_param = 2 * param_bytes + optimizer_bytes_per_param(make_optimizer(optim_cfg), model_cfg.param_dtype)
-  return int(model_cfg.param_count() * per_param)
+  params = jax.eval_shape(build(model_cfg).init, jax.random.key(0))
+  return 2 * tree_bytes(params) + optimizer_state_bytes(make_optimizer(optim_cfg), params)
 
 
 def memory_available(device: jax.Device) -> int | None:

@@ -18,7 +18,8 @@ def train_throughput(tmp_path_factory) -> dict:
   """One smoke results file made as the GPU run makes it: the engine cases in one process (big traced), the model that
   fits in another, --merge collecting both."""
   tmp_path = tmp_path_factory.mktemp("train_throughput")
-  benchmark_smoke("train_throughput", tmp_path, "--cases=big,big_clip,llama7b", "--steps=1")
+  benchmark_smoke("train_throughput", tmp_path, "--cases=big,big_like_deepspeed,big_clip,llama7b", "--steps=1",
+                  "--big_batch=2", "--big_sub_batches=2")
   return benchmark_smoke("train_throughput", tmp_path, "--cases=fits", "--merge", "--steps=1",
                          "--fits_cases=device_remat,device_no_remat,engine,per_micro_batch")
 
@@ -33,12 +34,25 @@ def by_case(result: dict) -> dict:
 def test_train_throughput_smoke_runs_every_case_and_merges_the_runs(train_throughput):
   assert has_provenance(train_throughput, "train_throughput") and train_throughput["device"] == "cpu"
   cases = by_case(train_throughput)
-  assert list(cases) == ["big", "big_clip", "llama7b", "fits/device_remat", "fits/device_no_remat", "fits/engine",
-                         "fits/per_micro_batch"]
+  assert list(cases) == ["big", "big_like_deepspeed", "big_clip", "llama7b", "fits/device_remat",
+                         "fits/device_no_remat", "fits/engine", "fits/per_micro_batch"]
   assert all(case["tokens_per_s"] > 0 and case["losses"][0] > 0 and 0 < case["mfu"] <= case["hfu"]
              for case in cases.values())
   # Each result says which run made it.
-  assert "--cases=big,big_clip,llama7b" in cases["big"]["command"] and "--merge" in cases["fits/engine"]["command"]
+  assert "--cases=big,big_like_deepspeed" in cases["big"]["command"] and "--merge" in cases["fits/engine"]["command"]
+
+
+@pytest.mark.slow
+def test_train_throughput_smoke_runs_big_like_deepspeed_with_the_baselines_optimizer(train_throughput):
+  """The case beside DeepSpeed: --big_batch rows in --big_sub_batches (in smoke too), clipped at 1.0, and the record
+  of its optimizer in the DeepSpeed baseline's keys (vs_deepspeed compares the two)."""
+  case = by_case(train_throughput)["big_like_deepspeed"]
+  assert case["engine"]["grad_clip_norm"] == 1.0 and case["engine"]["sub_batches"] == 2
+  assert case["plan"].startswith("sub-batches 2 x 1 rows")
+  assert case["optimizer_settings"] == {
+      "lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "decoupled_weight_decay": True,
+      "grad_clip_norm": 1.0, "master_dtype": "float32", "moments_dtype": "float32", "grad_accum_dtype": "float32",
+      "compute_dtype": "bfloat16"}
 
 
 @pytest.mark.slow
@@ -88,7 +102,8 @@ def test_train_throughput_smoke_compares_the_engine_with_the_faster_device_step(
 def test_train_throughput_names_an_unknown_case(tmp_path):
   done = subprocess.run([sys.executable, "-m", "benchmarks.train_throughput", "--smoke", "--cases=big,bigg"],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
-  assert done.returncode != 0 and "--cases: unknown bigg; choose from big, big_clip, llama7b, fits" in done.stderr
+  assert done.returncode != 0
+  assert "--cases: unknown bigg; choose from big, big_like_deepspeed, big_clip, llama7b, fits" in done.stderr
 
 
 @pytest.mark.slow
@@ -170,6 +185,55 @@ def test_vs_deepspeed_smoke_reports_both_systems_and_their_ratio(tmp_path):
   pytest.importorskip("deepspeed", reason="DeepSpeed is installed only on the GPU machine (install_deepspeed.sh)")
   result = benchmark_smoke("vs_deepspeed", tmp_path, "--models=fits")
   assert result["runs"]["fits"]["ratio_tokens_per_s"] > 0
+
+
+def test_vs_deepspeed_sweeps_greedily_and_compares_the_points():
+  from benchmarks.vs_deepspeed import greedy_sweep, parse_sweep, ratios
+  knobs = parse_sweep("prefetch=2,3; overlap=false")
+  assert knobs == [("prefetch", ["2", "3"]), ("overlap", ["false"])]
+  rates = {(): 10.0, (("prefetch", "2"),): 12.0, (("prefetch", "3"),): None,  # a run that failed is not chosen
+           (("overlap", "false"), ("prefetch", "2")): 11.0}
+  best, trials = greedy_sweep(knobs, lambda settings: rates[tuple(sorted(settings.items()))])
+  assert best == {"prefetch": "2"} and [t["tokens_per_s"] for t in trials] == [10.0, 12.0, None, 11.0]
+
+  settings = {"lr": 1e-5, "grad_clip_norm": 1.0}
+  report = {"points": {
+      "1": {"sljax": {"status": "ok", "tokens_per_s": 300.0, "rows": 16, "optimizer_settings": settings},
+            "deepspeed": {"status": "ok", "tokens_per_s": 100.0, "grad_accum": 1, "micro_batch": 16,
+                          "optimizer_settings": {**settings, "grad_clip_norm": 0.0}}},
+      "16": {"sljax": {"status": "ok", "tokens_per_s": 300.0, "rows": 256},
+             "deepspeed": {"status": "failed"}}}}
+  ratios(report)
+  assert report["points"]["1"]["ratio_tokens_per_s"] == 3.0 and report["points"]["1"]["same_batch_rows"]
+  assert report["points"]["16"]["ratio_tokens_per_s"] is None
+  assert report["goal"] == {"accumulation": 16, "ratio_at_least": 5.0, "ratio": None, "met": None}
+  assert report["settings"]["same"] is False
+  assert report["settings"]["differences"] == {"grad_clip_norm": {"sljax": 1.0, "deepspeed": 0.0}}
+
+
+@pytest.mark.slow
+def test_vs_deepspeed_accumulation_smoke_split_over_two_runs(tmp_path):
+  """The GPU run's split: the sweep and DeepSpeed's points in one call, sljax's in another merged onto it."""
+  pytest.importorskip("deepspeed", reason="DeepSpeed is installed only on the GPU machine (install_deepspeed.sh)")
+  first = benchmark_smoke("vs_deepspeed", tmp_path / "first", "--accumulation=1,2", "--parts=sweep,deepspeed",
+                          "--sweep=overlap_comm=false")
+  sweep = first["deepspeed_sweep"]
+  assert [t["settings"] for t in sweep["trials"]] == [{}, {"overlap_comm": "false"}]
+  assert all(t["tokens_per_s"] > 0 for t in sweep["trials"])
+  run = first["deepspeed_runs"]["1,2"]
+  assert run["one_update_per_optimizer_step"] and run["grad_accum_buffer_dtype"] == "float32"
+  for accumulation, point in first["points"].items():
+    deepspeed = point["deepspeed"]
+    assert deepspeed["grad_accum"] == int(accumulation) and deepspeed["knobs"] == sweep["best"]
+    assert len(deepspeed["micro_batch_s"][0]) == int(accumulation) and deepspeed["tokens_per_s"] > 0
+  merged = tmp_path / "first" / "result.json"
+  result = benchmark_smoke("vs_deepspeed", tmp_path / "second", "--accumulation=2", "--parts=sljax",
+                           f"--merge={merged}")
+  assert [call["command"].count("--parts=") for call in result["calls"]] == [1, 1]
+  assert result["points"]["1"]["ratio_tokens_per_s"] is None  # DeepSpeed's alone
+  point = result["points"]["2"]
+  assert point["sljax"]["rows"] == 2 and point["same_batch_rows"] and point["ratio_tokens_per_s"] > 0
+  assert result["settings"]["same"], result["settings"]
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import gc
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -16,10 +17,11 @@ from models.presets import build, get_config
 from sljax import footprint
 from sljax import plan as planner
 from sljax.machines import MACHINES, REFERENCE
-from sljax.memory import Placement
+from sljax.memory import Placement, tree_bytes
 from sljax.mesh import make_mesh
+from sljax.optim import OptimConfig, make_optimizer
 from sljax.machines import GIB, Budget, default_budget, target_budget
-from sljax.plan import make_plan, optimizer_bytes_per_param, plan_batch
+from sljax.plan import make_plan, optimizer_state_bytes, plan_batch
 from sljax import schedule
 from sljax.schedule import Engine
 from sljax.sizes import model_sizes
@@ -145,13 +147,42 @@ def test_clipping_parks_each_groups_gradient_where_its_state_lives(hidden, kept)
 
 
 def test_optimizer_state_is_sized_from_the_optimizer():
-  assert optimizer_bytes_per_param(optax.adamw(1e-3)) == 8
-  assert optimizer_bytes_per_param(optax.adamw(1e-3, mu_dtype="bfloat16")) == 6  # optax keeps nu in fp32
-  assert optimizer_bytes_per_param(optax.sgd(1e-3)) == 0
+  rows = {"w": jax.ShapeDtypeStruct((3, 300), jnp.float32)}  # two blocks of 8-bit codes a row, the second padded
+  assert optimizer_state_bytes(optax.adamw(1e-3), rows) == 8 * 900
+  assert optimizer_state_bytes(optax.adamw(1e-3, mu_dtype="bfloat16"), rows) == 6 * 900  # optax keeps nu in fp32
+  assert optimizer_state_bytes(make_optimizer(OptimConfig(moments_dtype="int8")), rows) == 2 * 900 + 2 * 3 * 2 * 4
+  assert optimizer_state_bytes(optax.sgd(1e-3), rows) == 0
   model = tiny_model(4, 32)
   fp32 = make_plan(model, 8, 4, HUGE, optimizer=optax.adamw(1e-3))
   bf16 = make_plan(model, 8, 4, HUGE, optimizer=optax.adamw(1e-3, mu_dtype="bfloat16"))
   assert bf16.device_bytes["resident group state"] * 12 == fp32.device_bytes["resident group state"] * 10
+
+
+@pytest.mark.parametrize("moments", ["float32", "int8"])
+def test_the_planned_state_is_the_engines(moments):
+  """Every group's and the embeddings' state, as the engine holds it, is what the plan counts (less the step counts,
+  4 bytes each, that every parameter shares), 8-bit moments' scales included."""
+  model = tiny_model(4, 32)
+  optimizer = make_optimizer(OptimConfig(moments_dtype=moments), clip=False)
+  plan = make_plan(model, 8, 4, HUGE, optimizer=optimizer, tail_layers=1)
+  state = Engine(model, optimizer, plan.engine).init(jax.random.key(0))
+  per_param = lambda opt: sum(x.nbytes for x in jax.tree.leaves(opt) if x.ndim)
+  groups = [tree_bytes(group["master"]) + per_param(group["opt"]) for group in state["groups"]]
+  assert plan.engine.device_state_groups == len(groups) == 4
+  assert plan.device_bytes["resident group state"] == sum(groups)
+  outer_grads = model_sizes(model).outer_params * 4
+  assert plan.device_bytes["embeddings+head (params, moments, grads)"] == (
+      tree_bytes(state["outer"]) + per_param(state["outer_opt"]) + outer_grads)
+
+
+def test_8bit_moments_keep_more_groups_state_on_the_device():
+  """Where fp32 moments keep 2 of 6 groups' state on the device, 8-bit ones keep it all, with room for a tail."""
+  model = tiny_model(6, 32)
+  budget, _ = budget_keeping(model, 8, 4, 1, 2, sub_batches=2, optimizer=optax.adamw(1e-3))
+  fp32, int8 = (make_plan(model, 8, 4, budget, sub_batches=2, optimizer=make_optimizer(
+      OptimConfig(moments_dtype=moments), clip=False)) for moments in ("float32", "int8"))
+  assert fp32.engine.device_state_groups == 2 and fp32.groups == 6
+  assert int8.engine.device_state_groups == int8.groups and int8.engine.tail_layers > 0
 
 
 def test_clipping_moves_the_update_traffic_into_the_next_forward():

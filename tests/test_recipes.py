@@ -117,7 +117,7 @@ BAD_NUMBERS = {
     "min_lr_ratio must lie in [0, 1], got nan": ["--min_lr_ratio=nan"],
     "--device_memory_gib must be a number of GiB >= 0 (0: the default), got -1.0": ["--device_memory_gib=-1"],
     "--host_memory_gib must be a number of GiB >= 0 (0: the default), got nan": ["--host_memory_gib=nan"],
-    "moments_dtype must be a float dtype (float32, bfloat16), got 'foo'": ["--moments_dtype=foo"],
+    "moments_dtype must be float32, bfloat16 (a float dtype) or int8, got 'foo'": ["--moments_dtype=foo"],
     "--sub_batches shape the offload engine's step, but the auto engine chose the on-device step": ["--sub_batches=2"],
     "--live_layers shape the offload engine's step, but --engine=device runs the on-device step": [
         "--engine=device", "--live_layers=1"],

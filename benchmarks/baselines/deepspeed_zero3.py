@@ -6,8 +6,16 @@ requirements.txt. One process, no launcher: the script sets RANK/WORLD_SIZE/MAST
 
   python3 -m benchmarks.baselines.deepspeed_zero3 --model llama13b --seq 2048 --batch 32 --micro_batch 16 \\
       --offload_ratio auto --host_mem_gib 256 --warmup 1 --steps 2 --out $OUT/ds_llama13b.json
+  python3 -m benchmarks.baselines.deepspeed_zero3 --model llama13b --micro_batch 16 --accumulation 1,4,16 \\
+      --steps 2,2,1 --host_mem_gib 500 --zero_set stage3_prefetch_bucket_size=640000000 --out $OUT/ds_ga.json
   python3 -m benchmarks.baselines.deepspeed_zero3 --smoke --out /tmp/smoke.json          # tiny model, CPU is fine
   python3 -m benchmarks.baselines.deepspeed_zero3 --backend fsdp_cpu_offload ...          # PyTorch FSDP2 fallback
+
+Steps: --warmup optimizer steps of one micro-batch, then each gradient accumulation of --accumulation (default
+--batch / --micro_batch) in turn on the same engine, its timed optimizer steps of that many micro-batches each; the
+JSON's "points" hold each one's step and micro-batch seconds, tokens/s and MFU (the top-level ones are the last
+point's). Optimizer (ADAMW, CLIP_NORM below, recorded as "optimizer_settings"): AdamW with fp32 master weights and
+moments, gradients accumulated in fp32 and clipped by their global norm.
 
 Figures: tokens/s = batch * seq / mean timed step; MFU = tokens/s * get_config(model).flops_per_token(seq) / peak
 (6 x matmul params + causal attention, no recompute counted; the GPU's dense bf16 peak from sljax.machines, the
@@ -209,6 +217,46 @@ def count_params(model):
 
 
 # ----------------------------------------------------------------------------------------------------------- configs
+# The optimizer: AdamW (decoupled weight decay) at --lr, clipped by the global gradient norm.
+# benchmarks.train_throughput's big_like_deepspeed case runs the same numbers; benchmarks.vs_deepspeed checks that
+# both records agree.
+ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+CLIP_NORM = 1.0
+
+
+def optimizer_settings(args):
+  """What the optimizer computes, in the keys benchmarks.train_throughput records for sljax."""
+  # ZeRO keeps fp32 partitions (and fp32 moments and accumulated gradients, ds_config) beside bf16 params; FSDP's
+  # parameters, moments and gradients are in its master dtype.
+  master = "float32" if args.backend == "deepspeed" else args.fsdp_master_dtype
+  return {"lr": args.lr, "betas": list(ADAMW["betas"]), "eps": ADAMW["eps"], "weight_decay": ADAMW["weight_decay"],
+          "decoupled_weight_decay": True, "grad_clip_norm": CLIP_NORM, "master_dtype": master,
+          "moments_dtype": master, "grad_accum_dtype": master, "compute_dtype": args.dtype}
+
+
+def setting_value(text):
+  """A --zero_set value: JSON (true, 5e8, "cpu"), a whole float as an int (DeepSpeed's sizes are ints), else text."""
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError:
+    return text
+  return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def apply_zero_settings(zero, settings):
+  """--zero_set KEY=VALUE (KEY dotted into nested sections, e.g. offload_param.pin_memory=false) onto zero."""
+  for item in settings:
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise ValueError(f"--zero_set {item!r}: expected KEY=VALUE")
+    *sections, name = key.split(".")
+    target = zero
+    for section in sections:
+      target = target.setdefault(section, {})
+    target[name] = setting_value(value)
+  return zero
+
+
 def ds_config(args, cfg, ga):
   h = cfg.hidden_size
   largest = max(cfg.vocab_size * cfg.embed_dim, cfg.hidden_size * cfg.intermediate_size)
@@ -230,13 +278,15 @@ def ds_config(args, cfg, ga):
   if args.offload in ("all", "optimizer"):
     zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": args.offload_ratio}
   return {
-      "train_batch_size": args.batch,
+      "train_batch_size": args.micro_batch * ga,
       "train_micro_batch_size_per_gpu": args.micro_batch,
       "gradient_accumulation_steps": ga,
-      "gradient_clipping": 1.0,
+      "gradient_clipping": CLIP_NORM,
       "bf16": {"enabled": args.dtype == "bfloat16"},
       "fp16": {"enabled": False},
-      "zero_optimization": zero,
+      # Without it ZeRO accumulates gradients across micro-batches in the model's dtype (bf16), not as sljax does.
+      "data_types": {"grad_accum_dtype": "fp32"},
+      "zero_optimization": apply_zero_settings(zero, args.zero_set),
       "zero_allow_untested_optimizer": True,
       "zero_force_ds_cpu_optimizer": args.optimizer == "cpu_adam",
       "steps_per_print": 10**9,
@@ -331,35 +381,78 @@ def sync(dev):
     torch.cuda.synchronize(dev)
 
 
-def time_steps(rep, dev, args, ga, micro_step, step_done):
-  """warmup + timed optimizer steps; each optimizer step is `ga` micro-steps of micro_batch x seq tokens."""
+def mark(dev):
+  """A point in the device's work, read after the step's sync: nothing waits for it."""
+  if dev.type != "cuda":
+    return time.perf_counter()
+  event = torch.cuda.Event(enable_timing=True)
+  event.record()
+  return event
+
+
+def seconds_between(marks, dev):
+  if dev.type != "cuda":
+    return [b - a for a, b in zip(marks, marks[1:])]
+  return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+
+
+def rates(rep, tokens, seconds):
+  """tokens/s, MFU and HFU of optimizer steps of `tokens` taking `seconds` each."""
+  flops, hw_flops, peak = (rep.data[k] for k in ("flops_per_token", "hardware_flops_per_token", "peak_flops"))
+  tps = tokens / seconds
+  return {"step_s_mean": round(seconds, 4), "tokens_per_s": round(tps, 1), "mfu": round(tps * flops / peak, 5),
+          "hfu": round(tps * hw_flops / peak, 5)}
+
+
+def time_points(rep, dev, args, micro_step, step_done, set_accumulation):
+  """--warmup optimizer steps of one micro-batch, then each accumulation `ga` of --accumulation in turn on the same
+  engine: its --steps timed optimizer steps of `ga` micro-batches of micro_batch x seq tokens. A new accumulation
+  compiles and traces nothing new (every micro-batch runs the same forward and backward), so the warm-up is not
+  repeated; each micro-batch's seconds (its forward, backward and engine step, the optimizer's in the last one's) are
+  kept, which shows a first-time cost where there is one. Returns the points, also in rep.data["points"]."""
   g = torch.Generator(device="cpu").manual_seed(0)
   vocab = rep.data["model"]["vocab_size"]
-  batches = [torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g).to(dev) for _ in range(min(ga, 2))]
-  step_times, losses = [], []
-  for step in range(args.warmup + args.steps):
+  batches = [torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g).to(dev) for _ in range(2)]
+
+  def optimizer_step(ga):
     sync(dev)
-    t0 = time.perf_counter()
-    loss = None
+    start = time.perf_counter()
+    marks = [mark(dev)]
     for m in range(ga):
-      loss = micro_step(batches[m % len(batches)])
+      loss = micro_step(batches[m % len(batches)], ga)
+      marks.append(mark(dev))
     step_done()
     sync(dev)
-    dt = time.perf_counter() - t0
-    lv = float(loss.detach().float().cpu())
-    timed = step >= args.warmup
-    (step_times if timed else rep.data.setdefault("warmup_step_s", [])).append(round(dt, 4))
-    if timed:
-      losses.append(lv)
-    print(f"step {step}{'' if timed else ' (warmup)'}: {dt:.2f} s  loss {lv:.4f}  "
-          f"{args.batch * args.seq / dt:,.0f} tok/s  host RSS {rss_gib():.1f} GiB", flush=True)
-    rep.data["step_s"] = step_times
-    rep.data["loss"] = losses
-    rep.phase(f"step {step + 1}/{args.warmup + args.steps} done")
-  return step_times
+    seconds = time.perf_counter() - start
+    return seconds, seconds_between(marks, dev), float(loss.detach().float().cpu())
+
+  set_accumulation(1)
+  for step in range(args.warmup):
+    seconds, _, loss = optimizer_step(1)
+    rep.data.setdefault("warmup_step_s", []).append(round(seconds, 4))
+    print(f"warm-up step {step}: {seconds:.2f} s  loss {loss:.4f}  host RSS {rss_gib():.1f} GiB", flush=True)
+    rep.phase(f"warm-up step {step + 1}/{args.warmup} done")
+  points = rep.data["points"] = []
+  for ga, steps in zip(args.accumulation, args.steps):
+    set_accumulation(ga)
+    tokens = ga * args.micro_batch * args.seq
+    point = {"grad_accum": ga, "micro_batch": args.micro_batch, "tokens_per_step": tokens, "step_s": [],
+             "micro_batch_s": [], "loss": []}
+    points.append(point)
+    for step in range(steps):
+      seconds, micro, loss = optimizer_step(ga)
+      point["step_s"].append(round(seconds, 4))
+      point["micro_batch_s"].append([round(s, 4) for s in micro])
+      point["loss"].append(loss)
+      print(f"accumulation {ga}, step {step}: {seconds:.2f} s  loss {loss:.4f}  {tokens / seconds:,.0f} tok/s  "
+            f"host RSS {rss_gib():.1f} GiB", flush=True)
+      rep.phase(f"accumulation {ga}: step {step + 1}/{steps} done")
+    point.update(rates(rep, tokens, sum(point["step_s"]) / steps))
+    rep.write()  # a point is finished when it has its tokens_per_s
+  return points
 
 
-def run_deepspeed(rep, args, cfg, dev, ga):
+def run_deepspeed(rep, args, cfg, dev):
   n = cfg.param_count()
   if args.offload_ratio == "auto":
     args.offload_ratio = auto_offload_ratio(n, args) if args.offload in ("all", "optimizer") else 1.0
@@ -382,7 +475,7 @@ def run_deepspeed(rep, args, cfg, dev, ga):
   rep.phase("init_distributed")
   deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), auto_mpi_discovery=False)
 
-  conf = ds_config(args, cfg, ga)
+  conf = ds_config(args, cfg, 1)  # time_points sets each point's accumulation
   rep.data["ds_config"] = conf
   dtype = getattr(torch, args.dtype)
 
@@ -412,7 +505,7 @@ def run_deepspeed(rep, args, cfg, dev, ga):
     try:
       from deepspeed.ops.adam import DeepSpeedCPUAdam
       t0 = time.perf_counter()
-      opt = DeepSpeedCPUAdam(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, adamw_mode=True)
+      opt = DeepSpeedCPUAdam(params, lr=args.lr, **ADAMW, adamw_mode=True)
       rep.data["cpu_adam_build_or_load_s"] = round(time.perf_counter() - t0, 1)
       opt_name = "DeepSpeedCPUAdam (AdamW mode)"
     except Exception as e:  # noqa: BLE001
@@ -430,7 +523,7 @@ def run_deepspeed(rep, args, cfg, dev, ga):
       rep.data["label"] += "; FALLBACK optimizer torch AdamW on the CPU (DeepSpeedCPUAdam failed)"
       conf["zero_force_ds_cpu_optimizer"] = False
   if opt is None:
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(params, lr=args.lr, **ADAMW, fused=True)
     opt_name = f"torch.optim.AdamW (fused, on the {'CPU' if offloaded else 'device'})"
   rep.data["optimizer"] = opt_name
 
@@ -445,17 +538,26 @@ def run_deepspeed(rep, args, cfg, dev, ga):
     rep.data["optimizer_state_on_cpu_fraction"] = round(on_cpu / max(1, sum(sizes)), 4)
     rep.data["optimizer_subgroups"] = {"count": len(placement), "on_cpu": sum(v == "cpu" for v in placement.values())}
 
-  def micro_step(x):
+  def micro_step(x, ga):
     out = engine(input_ids=x, labels=x, use_cache=False)
-    engine.backward(out.loss)
+    engine.backward(out.loss)  # scaled by 1 / the engine's accumulation
     engine.step()  # DeepSpeed applies the optimizer at the accumulation boundary
     return out.loss
 
+  def set_accumulation(ga):
+    engine.set_train_batch_size(ga * args.micro_batch)
+    engine.micro_steps = 0  # the boundary is every ga-th micro-step counted from here: each point starts on one
+
   rep.phase("train steps")
-  return time_steps(rep, dev, args, ga, micro_step, lambda: None)
+  points = time_points(rep, dev, args, micro_step, lambda: None, set_accumulation)
+  # What the engine did, beside what was asked: one update per optimizer step, gradients accumulated in fp32.
+  rep.data["optimizer_steps_applied"] = engine.global_steps
+  buffer = getattr(engine.optimizer, "grad_partitions_flat_buffer", None)
+  rep.data["grad_accum_buffer_dtype"] = str(buffer.dtype).removeprefix("torch.") if buffer is not None else None
+  return points
 
 
-def run_fsdp(rep, args, cfg, dev, ga):
+def run_fsdp(rep, args, cfg, dev):
   """Fallback: PyTorch FSDP2 (fully_shard) with CPUOffloadPolicy on one GPU; optimizer torch AdamW on the CPU."""
   import torch.distributed as dist
   from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -507,21 +609,21 @@ def run_fsdp(rep, args, cfg, dev, ga):
   rep.data["hf_param_count"] = sum(p.numel() for p in model.parameters())
 
   rep.phase("optimizer")
-  opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+  opt = torch.optim.AdamW(model.parameters(), lr=args.lr, **ADAMW, fused=True)
   rep.data["optimizer"] = "torch.optim.AdamW (fused, CPU)"
 
-  def micro_step(x):
+  def micro_step(x, ga):
     out = model(input_ids=x, labels=x, use_cache=False)
     (out.loss / ga).backward()
     return out.loss
 
   def step_done():
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
     opt.step()
     opt.zero_grad(set_to_none=True)
 
   rep.phase("train steps")
-  return time_steps(rep, dev, args, ga, micro_step, step_done)
+  return time_points(rep, dev, args, micro_step, step_done, lambda ga: None)
 
 
 def hf_config_obj(rep, cfg, args):
@@ -538,11 +640,19 @@ def parse_args(argv=None):
   ap.add_argument("--model", default="llama13b", help="an sljax preset (models/presets.py)")
   ap.add_argument("--override", action="append", default=[], help="preset field=value, repeatable")
   ap.add_argument("--seq", type=int, default=2048)
-  ap.add_argument("--batch", type=int, default=16, help="effective batch per optimizer step, in sequences")
+  ap.add_argument("--batch", type=int, default=16,
+                  help="effective batch per optimizer step, in sequences (without --accumulation)")
   ap.add_argument("--micro_batch", type=int, default=0,
                   help="sequences per forward/backward; 0 = --batch (no accumulation)")
-  ap.add_argument("--warmup", type=int, default=1)
-  ap.add_argument("--steps", type=int, default=2)
+  ap.add_argument("--accumulation", default="",
+                  help="comma-separated gradient accumulations to time one after the other on one engine (each "
+                       "point's batch: micro_batch x accumulation); default: --batch / --micro_batch")
+  ap.add_argument("--warmup", type=int, default=1, help="optimizer steps of one micro-batch before the points")
+  ap.add_argument("--steps", default="2",
+                  help="timed optimizer steps per point: one number for every point, or comma-separated, one each")
+  ap.add_argument("--zero_set", action="append", default=[],
+                  help="zero_optimization KEY=VALUE over this script's settings, repeatable; KEY dotted into its "
+                       "sections (offload_param.pin_memory=false), VALUE JSON (true, 5e8)")
   ap.add_argument("--lr", type=float, default=1e-5)
   ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
   ap.add_argument("--attn", default="sdpa", help="transformers attn_implementation")
@@ -568,12 +678,21 @@ def parse_args(argv=None):
     args.model, args.seq, args.batch = "llama-tiny", 64, 4
     args.override = args.override or ["num_layers=2", "hidden_size=64", "intermediate_size=128"]
     args.micro_batch = args.micro_batch or 2
-    args.warmup, args.steps = 1, 2
+    args.warmup = 1
   args.micro_batch = args.micro_batch or args.batch
   if args.offload_ratio != "auto":
     args.offload_ratio = float(args.offload_ratio)
-  if args.batch % args.micro_batch:
+  if args.accumulation:
+    args.accumulation = [int(ga) for ga in args.accumulation.split(",")]
+  elif args.batch % args.micro_batch:
     ap.error(f"--batch {args.batch} is not a multiple of --micro_batch {args.micro_batch}")
+  else:
+    args.accumulation = [args.batch // args.micro_batch]
+  steps = [int(n) for n in str(args.steps).split(",")]
+  args.steps = steps * len(args.accumulation) if len(steps) == 1 else steps
+  if len(args.steps) != len(args.accumulation) or min(args.accumulation + args.steps) < 1:
+    ap.error(f"--accumulation {args.accumulation} and --steps {args.steps}: one count >= 1 of timed steps for "
+             "every point, or one for all")
   return args
 
 
@@ -589,7 +708,6 @@ def main(argv=None):
   with HostMemorySampler() as mem:
     try:
       cfg = get_config(args.model, args.override)
-      ga = args.batch // args.micro_batch
       dev = torch.device(args.device if args.device != "auto" else ("cuda:0" if torch.cuda.is_available() else "cpu"))
       if dev.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -597,29 +715,24 @@ def main(argv=None):
         torch.cuda.set_device(dev)
         torch.cuda.reset_peak_memory_stats(dev)
       flops_per_token = cfg.flops_per_token(args.seq)
+      # As benchmarks.train_throughput: recompute adds one forward of each layer (a third of its training FLOPs).
+      layer_part = flops_per_token - 6 * cfg.vocab_size * cfg.embed_dim
       peak = rates_of(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu").peak_flops
       rep.data.update(
           backend=args.backend,
           label=("DeepSpeed ZeRO-3, offload_param + offload_optimizer to pinned CPU" if args.backend == "deepspeed"
                  else "FALLBACK: PyTorch FSDP2 (fully_shard) with CPUOffloadPolicy, one GPU"),
           versions=versions(), device=device_info(dev),
-          config={**vars(args), "grad_accum": ga, "tokens_per_step": args.batch * args.seq},
+          config=vars(args), optimizer_settings=optimizer_settings(args),
           model={"preset": args.model, **dataclasses.asdict(cfg), "sljax_param_count": cfg.param_count()},
           flops_per_token=flops_per_token, peak_flops=peak,
+          hardware_flops_per_token=flops_per_token + (layer_part / 3 if args.grad_ckpt else 0),
           mfu_formula=f"tokens/s * models.presets.get_config(model).flops_per_token(seq) / {peak:g} "
                       "(6 x matmul params + causal attention; recompute not counted)")
       run = run_deepspeed if args.backend == "deepspeed" else run_fsdp
-      step_times = run(rep, args, cfg, dev, ga)
-      mean = sum(step_times) / len(step_times)
-      tps = args.batch * args.seq / mean
-      # As benchmarks.train_throughput: recompute adds one forward of each layer (a third of its training FLOPs).
-      layer_part = flops_per_token - 6 * cfg.vocab_size * cfg.embed_dim
-      hw_flops = flops_per_token + (layer_part / 3 if args.grad_ckpt else 0)
-      rep.data.update(
-          status="ok", step_s_mean=round(mean, 4), tokens_per_s=round(tps, 1),
-          mfu=round(tps * flops_per_token / peak, 5),
-          hardware_flops_per_token=hw_flops, hfu=round(tps * hw_flops / peak, 5),
-          params_match_sljax=rep.data.get("hf_param_count") == cfg.param_count())
+      last = run(rep, args, cfg, dev)[-1]
+      rep.data.update({k: last[k] for k in ("step_s", "loss", "step_s_mean", "tokens_per_s", "mfu", "hfu")},
+                      status="ok", params_match_sljax=rep.data.get("hf_param_count") == cfg.param_count())
       status = 0
     except BaseException as e:  # noqa: BLE001 -- record everything, KeyboardInterrupt and SystemExit included
       rep.data.update(status="failed", failed_in_phase=rep.data["phase"], error=f"{type(e).__name__}: {e}",
@@ -647,4 +760,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  code = main()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # Skip the interpreter's teardown: it frees the pinned host memory tensor by tensor, which for llama13b's
+  # ~250 GiB outlasted the time limit of a run whose JSON was already complete.
+  os._exit(code)
