@@ -144,6 +144,10 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   if mode == "auto":
     mode = "offload" if not fits_on_device(launch, model_cfg, optim_cfg, device) else "device"
   offload_only = [f"--{name}" for name in ("sub_batches", "live_layers", "tail_layers") if getattr(launch, name)]
+  offload_only += [f"--parked_grads_dtype={launch.parked_grads_dtype}"] * (launch.parked_grads_dtype != "float32")
+  if launch.parked_grads_dtype != "float32" and not optim_cfg.grad_clip_norm:
+    raise ValueError(f"--parked_grads_dtype={launch.parked_grads_dtype} narrows the gradients that wait for clipping's "
+                     f"global norm, but --grad_clip_norm=0 parks none")
   if mode == "device" and offload_only and not launch.plan:
     chosen = "the auto engine chose the on-device step (the training state fits)" if launch.engine == "auto" else (
         "--engine=device runs the on-device step")
@@ -169,7 +173,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   def plan_with(optim_cfg):  # the plan sizes one device's work: its rows, its 1/fsdp share of the layer state
     args = dict(sub_batches=launch.sub_batches, live_layers=live_layers, tail_layers=tail_layers,
                 fsdp=mesh.shape["fsdp"], target=target, optimizer=make_optimizer(optim_cfg, clip=False),
-                grad_clip_norm=optim_cfg.grad_clip_norm)
+                grad_clip_norm=optim_cfg.grad_clip_norm, parked_grads_dtype=launch.parked_grads_dtype)
     if planned:
       return plan_batch(model, data_cfg.seq_len, budget, devices=mesh.size, **args)
     return make_plan(model, data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, **args), None
@@ -211,6 +215,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
 def check_lora_request(launch: LaunchConfig):
   """ValueError when a flag of LaunchConfig asks for what the LoRA engine does not do."""
   asked = [f"--{name}" for name in ("tail_layers", "int8_exchange") if getattr(launch, name)]
+  asked += [f"--parked_grads_dtype={launch.parked_grads_dtype}"] * (launch.parked_grads_dtype != "float32")
   asked += [f"--engine={launch.engine}"] * (launch.engine != "auto")
   asked += [f"--mesh={launch.mesh}"] * (math.prod(parse_mesh(launch.mesh).values()) > 1 if launch.mesh else False)
   if asked:

@@ -181,7 +181,8 @@ def optimizer_state_bytes(optimizer: optax.GradientTransformation, params) -> in
 def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches: int = 0, live_layers: int = 0,
               optimizer: optax.GradientTransformation | None = None, grad_clip_norm: float = 0.0,
               sub_batch_tokens: int = SUB_BATCH_TOKENS, fsdp: int = 1, target: Machine | None = None,
-              tail_layers: int = 0, device_state_groups: int | None = None) -> Plan:
+              tail_layers: int = 0, device_state_groups: int | None = None,
+              parked_grads_dtype: str = "float32") -> Plan:
   """Chooses the engine's settings for one device; 0 for sub_batches / live_layers / tail_layers means "choose".
   ValueError when it cannot fit.
 
@@ -193,7 +194,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   one GPU of that machine (its rates; made on a CPU, its compiled peak corrected by gpu_peak_from_cpu) instead of for
   this process's device (whose rates are the table's, or the reference machine's when it has none).
   device_state_groups: keep this many groups' state on the device instead of choosing; ValueError when they do
-  not fit.
+  not fit. parked_grads_dtype: what clipping's gradients wait in (EngineConfig.parked_grads_dtype).
 
   The tail (EngineConfig.tail_layers): when every group's state stays on the device, the device memory left over
   goes to a longer last group, whose layers keep their residuals instead of being recomputed, as many as fit by the
@@ -212,7 +213,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
     raise ValueError(f"tail_layers must be in 0..{sizes.num_layers} (the model's layers), got {tail_layers}")
   machine = machine_for(target)
   layout = lambda tail: _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, optimizer,
-                                grad_clip_norm, fsdp, target, machine, device_state_groups)
+                                grad_clip_norm, fsdp, target, machine, device_state_groups, parked_grads_dtype)
   plan = layout(tail_layers)
   first = _last_layers(plan)
   if tail_layers or not _all_resident(plan) or first == sizes.num_layers:
@@ -253,7 +254,7 @@ def _keeps_placement(plan: Plan, longer: Plan) -> bool:
 
 
 def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, optimizer, grad_clip_norm, fsdp, target,
-            machine, kept_groups=None) -> Plan:
+            machine, kept_groups=None, parked_grads_dtype="float32") -> Plan:
   """make_plan's placement for one tail (0: the last group is the last of the live_layers groups)."""
   bounds = EngineConfig(live_layers=live, tail_layers=tail).bounds(sizes.num_layers)
   groups, n = len(bounds), batch_size // sub_batch
@@ -267,14 +268,15 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   act = sizes.activation_bytes(sub_batch, seq_len)
   stash = (groups - 1) * n * act  # every group's input but the last group's
 
-  cfg = EngineConfig(sub_batches=n, live_layers=live, grad_clip_norm=grad_clip_norm, tail_layers=tail)
+  cfg = EngineConfig(sub_batches=n, live_layers=live, grad_clip_norm=grad_clip_norm, tail_layers=tail,
+                     parked_grads_dtype=parked_grads_dtype)
   peaks = _step_peaks(model, cfg, sub_batch, seq_len)
   if target is not None and jax.devices()[0].platform == "cpu":
     peaks = gpu_peak_from_cpu(peaks[0]), gpu_peak_from_cpu(peaks[1], "backward")
   # Clipping by the exact global norm holds every group's reduced gradient until the next step's forward updates the
   # group: a group whose state lives on the device parks it there, a host group in pinned host memory (a crossing
   # each way).
-  parked_per_layer = layer * 4 // fsdp if grad_clip_norm > 0 else 0
+  parked_per_layer = layer * cfg.parked_bytes_per_param // fsdp
   parked = live * parked_per_layer
   # What the step keeps in flight (the schedule's own account of it), then the compiled calls' scratch. Where every
   # group's state fits on the device beside it, no state moves, and nothing is in flight for the updates.

@@ -46,6 +46,9 @@ class LaunchConfig:
   # chooses; equal to --live_layers: no longer tail than the other groups)
   tail_layers: int = 0
   int8_exchange: bool = False  # offload engine: stash hidden states in host memory as int8 rows (inexact)
+  # offload engine, with clipping: the dtype gradients wait in for the global norm (bfloat16: half the memory,
+  # inexact: each rounded once; the norm is the fp32 gradients')
+  parked_grads_dtype: typing.Literal["float32", "bfloat16"] = "float32"
   # devices as data:D,fsdp:F, D x F dividing the device count (default: fsdp over each host's devices, data parallel
   # across hosts)
   mesh: str = ""
@@ -61,7 +64,7 @@ class LaunchConfig:
   def __post_init__(self):
     if self.hf_dir and self.model is not None:
       raise ValueError("give --model or --hf_dir (whose config.json names the model), not both")
-    for name in ("engine", "target"):  # the flags check these; a library caller's typo must not pick a step
+    for name in ("engine", "target", "parked_grads_dtype"):  # the flags check these; a library caller's typo must not pick a step
       choices = typing.get_args(typing.get_type_hints(LaunchConfig)[name])
       if getattr(self, name) not in choices:
         raise ValueError(f"--{name} must be one of {', '.join(map(repr, choices))}, got {getattr(self, name)!r}")

@@ -109,6 +109,7 @@ BAD_FLAGS = {  # flags -> the one line's message
     "--lora_alpha shape LoRA adapters: add --lora_rank": ["--lora_alpha=8"],
     "--engine=offload shape full training; --lora_rank fine-tunes on one device": ["--lora_rank=4",
                                                                                   "--engine=offload"],
+    "--parked_grads_dtype=bfloat16 shape full training": ["--lora_rank=4", "--parked_grads_dtype=bfloat16"],
 }
 
 

@@ -276,12 +276,14 @@ def test_the_tail_takes_only_the_device_memory_left_over():
   assert plan.engine.tail_layers == 0 and plan.groups == groups == 6 and plan.engine.device_state_groups == 2
 
 
-def _observed_steps(clip: float, observe, steps: int, prepare=lambda engine: None, resident: bool = False):
+def _observed_steps(clip: float, observe, steps: int, prepare=lambda engine: None, resident: bool = False,
+                    parked_grads_dtype: str = "float32"):
   """The tiny engine under its plan (2 of 6 groups' state on the device; resident: all 6, one layer per group),
   `prepare(engine)`, then `steps` steps with `observe()` after each of its calls and transfers. Returns the plan."""
   model = tiny_model(6, 32)
   budget = HUGE if resident else budget_keeping(model, 8, 4, 1, 2, sub_batches=2, clip=clip)[0]
-  plan = make_plan(model, 8, 4, budget, sub_batches=2, grad_clip_norm=clip, tail_layers=1 if resident else 0)
+  plan = make_plan(model, 8, 4, budget, sub_batches=2, grad_clip_norm=clip, tail_layers=1 if resident else 0,
+                   parked_grads_dtype=parked_grads_dtype)
   engine = Engine(model, optax.adamw(1e-3), plan.engine)
   prepare(engine)
 
@@ -303,8 +305,11 @@ def _observed_steps(clip: float, observe, steps: int, prepare=lambda engine: Non
   return plan
 
 
+PARKED = "parked grads (clipping)"
+
+
 @functools.cache
-def _live_peaks(clip: float, resident: bool = False) -> tuple[dict, dict]:
+def _live_peaks(clip: float, resident: bool = False, parked_grads_dtype: str = "float32") -> tuple[dict, dict]:
   """(The most bytes the engine holds per memory kind after each of its calls and transfers over steady steps, what
   its plan says it holds: less the compiled calls' scratch, which no live array shows)."""
   peaks = {"device": 0, "pinned_host": 0}
@@ -317,7 +322,7 @@ def _live_peaks(clip: float, resident: bool = False) -> tuple[dict, dict]:
     for kind in peaks:
       peaks[kind] = max(peaks[kind], sum(x.nbytes for x in live if x.sharding.memory_kind == kind))
 
-  plan = _observed_steps(clip, observe, steps=4, resident=resident)
+  plan = _observed_steps(clip, observe, steps=4, resident=resident, parked_grads_dtype=parked_grads_dtype)
   scratch = (footprint.SCRATCH, footprint.MARGIN, planner.NEVER_TOGETHER)
   planned = {"device": sum(v for kind, v in plan.device_bytes.items() if kind not in scratch),
              "pinned_host": sum(plan.host_bytes.values())}
@@ -338,6 +343,21 @@ def test_live_device_bytes_after_every_dispatch_stay_within_the_plan(clip):
   UPDATES_IN_FLIGHT are there: without that bound the device held 11% more than the plan."""
   peaks, planned = _live_peaks(clip)
   assert peaks["device"] <= planned["device"], (peaks, planned)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resident", [False, True])
+def test_bf16_parked_gradients_are_planned_at_half_and_the_engine_holds_no_more(resident):
+  """--parked_grads_dtype=bfloat16: the plan counts 2 bytes a parameter for what waits for the global norm, on the
+  device and in pinned host memory, and the live bytes of both stay within it."""
+  peaks, planned = _live_peaks(1.0, resident, "bfloat16")
+  assert peaks["device"] <= planned["device"] and peaks["pinned_host"] <= planned["pinned_host"], (peaks, planned)
+  model = tiny_model(6, 32)
+  budget = HUGE if resident else budget_keeping(model, 8, 4, 1, 2, sub_batches=2, clip=1.0)[0]
+  plans = [make_plan(model, 8, 4, budget, sub_batches=2, grad_clip_norm=1.0, tail_layers=1 if resident else 0,
+                     parked_grads_dtype=dtype) for dtype in ("float32", "bfloat16")]
+  parked = [plan.device_bytes.get(PARKED, 0) + plan.host_bytes.get(PARKED, 0) for plan in plans]
+  assert parked[0] == 2 * parked[1] == 2 * model_sizes(model).layer_params * 6 * 2
 
 
 @pytest.mark.slow

@@ -122,6 +122,10 @@ BAD_NUMBERS = {
     "--live_layers shape the offload engine's step, but --engine=device runs the on-device step": [
         "--engine=device", "--live_layers=1"],
     "--target=h200 plans for a machine this is not: use it with --plan": ["--target=h200"],
+    "--parked_grads_dtype=bfloat16 narrows the gradients that wait for clipping's global norm, but --grad_clip_norm=0 "
+    "parks none": ["--engine=offload", "--parked_grads_dtype=bfloat16", "--grad_clip_norm=0"],
+    "--parked_grads_dtype=bfloat16 shape the offload engine's step, but --engine=device runs the on-device step": [
+        "--engine=device", "--parked_grads_dtype=bfloat16"],
 }
 
 
