@@ -1,12 +1,21 @@
-"""What 8-bit Adam moments (--moments_dtype=int8, sljax.optim.scale_by_adam_8bit) cost in quality, on CPU.
+"""What 8-bit Adam moments (--moments_dtype=int8, sljax.optim.scale_by_adam_8bit) cost in quality, on CPU; and, with
+--variants, the other inexact memory savers of the offload engine.
 
   python -m benchmarks.int8_moments_quality --out=benchmarks/results/int8_moments_quality_cpu.json  # llama-tiny
+  python -m benchmarks.int8_moments_quality --variants=bf16_parked_grads \
+      --out=benchmarks/results/bf16_parked_grads_quality_cpu.json
   python -m benchmarks.int8_moments_quality --smoke --out=/tmp/int8_moments_smoke.json              # seconds
 
-Trains `--model` twice for `--steps` steps on the embedded corpus, with its recipe's AdamW (sljax.optim.RECIPES:
-schedule, clipping, betas) and fp32 moments, then with 8-bit ones: the same initialization, batches and plain
-jitted step. Reports, for each and their difference (int8 - fp32): the final train loss (the mean over the last
-`--final_steps` steps, and the last step's) and the held-out loss (the mean over `--eval_batches` batches of the
+Trains `--model` for `--steps` steps on the embedded corpus, with its recipe's AdamW (sljax.optim.RECIPES:
+schedule, clipping, betas) and fp32 moments, then once per variant: the same initialization, batches and plain
+jitted step, which computes what the engine computes with that saver (tests/test_optim.py, tests/test_engine.py):
+  int8               8-bit moments (--moments_dtype=int8)
+  bf16_parked_grads  the layers' gradients rounded to bf16 after the global norm is taken from them in fp32, as
+                     clipping parks them with --parked_grads_dtype=bfloat16. The weight gradient of a bf16 matmul
+                     is a bf16 value already: only a sum of several is not, so compare at --sub_batches > 1, where
+                     every run (fp32 too) sums its sub-batches' gradients in fp32 as the engine does
+Reports, for each and its difference from fp32 (`<variant>_minus_float32`): the final train loss (the mean over the
+last `--final_steps` steps, and the last step's) and the held-out loss (the mean over `--eval_batches` batches of the
 corpus's held-out documents, which no training window reads).
 """
 
@@ -15,11 +24,13 @@ import json
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags
 
 from benchmarks.common import define_flags, provenance, write_results
+from models.common import loss_denominator
 from models.presets import build, get_config
 from sljax.data import DataConfig, make_source
 from sljax.machines import configure_process
@@ -29,22 +40,45 @@ flags.DEFINE_string("model", "llama-tiny", "Model preset (its recipe trains it).
 flags.DEFINE_integer("steps", 2000, "Training steps of each run.")
 flags.DEFINE_integer("final_steps", 100, "The final train loss is the mean over this many last steps.")
 flags.DEFINE_integer("eval_batches", 16, "Held-out batches, of the training batch's shape.")
+flags.DEFINE_list("variants", ["int8"], "What to train beside fp32: int8, bf16_parked_grads (see above).")
+flags.DEFINE_integer("sub_batches", 1, "Every run's gradient is the fp32 sum of this many sub-batches' (the "
+                     "engine's accumulation), not the full batch's.")
 flags.DEFINE_integer("seed", 0, "Seeds the initialization and the batches' order, the same for both runs.")
 define_flags("A 2-layer model of width 64, batches of 4 x 32, 6 steps and 2 held-out batches (--steps, "
              "--eval_batches given: theirs): checks the code path in seconds.")
 FLAGS = flags.FLAGS
 
 SMOKE = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=2)
-MOMENTS = ("float32", "int8")
+VARIANTS = ("int8", "bf16_parked_grads")
 
 
-def train(model, optim_cfg, source, steps: int, eval_batches: list[dict]) -> dict:
+def parked_in_bf16(grads, max_norm: float):
+  """The layers' gradients as --parked_grads_dtype=bfloat16 leaves them for the update: clipped by the global norm of
+  the fp32 gradients, after a round trip through bf16 (the embeddings' and head's are never parked)."""
+  norm = optax.global_norm(grads)
+  grads = {**grads, "layers": jax.tree.map(lambda g: g.astype(jnp.bfloat16).astype(jnp.float32), grads["layers"])}
+  return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, g / norm * max_norm), grads)
+
+
+def train(model, optim_cfg, source, steps: int, eval_batches: list[dict], variant: str = "float32") -> dict:
   """Losses of `steps` plain jitted steps from the model's --seed init, and the held-out loss after them."""
-  optimizer = make_optimizer(optim_cfg)
+  parked = variant == "bf16_parked_grads" and optim_cfg.grad_clip_norm > 0
+  optimizer = make_optimizer(optim_cfg, clip=not parked)
+
+  def loss_and_grads(params, batch):
+    """The batch's loss and gradient, each sub-batch's summed in fp32 (weighted by its share of the batch's weight)."""
+    parts = jax.tree.map(lambda x: x.reshape(FLAGS.sub_batches, -1, *x.shape[1:]), batch)
+    share = jnp.sum(parts["weights"], axis=(1, 2)) / loss_denominator(jnp.sum(batch["weights"]))
+    losses, grads = jax.vmap(jax.value_and_grad(model.loss), in_axes=(None, 0))(params, parts)
+    grads = jax.tree.map(lambda g: jnp.einsum("s,s...->...", share, g.astype(jnp.float32)), grads)
+    return jnp.sum(share * losses), grads
 
   @jax.jit
   def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(model.loss)(params, batch)
+    loss, grads = (jax.value_and_grad(model.loss)(params, batch) if FLAGS.sub_batches == 1
+                   else loss_and_grads(params, batch))
+    if parked:
+      grads = parked_in_bf16(grads, optim_cfg.grad_clip_norm)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -79,14 +113,20 @@ def main(argv):
   # The recipe's schedule over this run's length, as train.py gives it.
   decay_steps, _ = run_decay_steps(steps, recipe.optim.warmup_steps, recipe.optim.learning_rate)
   optim = dataclasses.replace(recipe.optim, decay_steps=decay_steps)
-  runs = {moments: train(model, dataclasses.replace(optim, moments_dtype=moments), source, steps, eval_batches)
-          for moments in MOMENTS}
-  difference = {key: runs["int8"][key] - runs["float32"][key]
-                for key in ("train_loss_final", "train_loss_last_step", "held_out_loss")}
+  unknown = set(FLAGS.variants) - set(VARIANTS)
+  if unknown:
+    raise SystemExit(f"sljax: --variants: {', '.join(sorted(unknown))} unknown (known: {', '.join(VARIANTS)})")
+  moments = lambda variant: "int8" if variant == "int8" else "float32"
+  runs = {variant: train(model, dataclasses.replace(optim, moments_dtype=moments(variant)), source, steps,
+                         eval_batches, variant) for variant in ("float32", *FLAGS.variants)}
+  difference = {f"{variant}_minus_float32": {key: runs[variant][key] - runs["float32"][key]
+                                             for key in ("train_loss_final", "train_loss_last_step", "held_out_loss")}
+                for variant in FLAGS.variants}
   out = {**provenance(), "model": FLAGS.model, "overrides": overrides, "seed": FLAGS.seed, "steps": steps,
+         "sub_batches": FLAGS.sub_batches,
          "batch": [batch_size, seq_len],
          "optimizer": optim.describe(), "final_steps": min(FLAGS.final_steps, steps),
-         "held_out_tokens": eval_count * batch_size * seq_len, "runs": runs, "int8_minus_float32": difference}
+         "held_out_tokens": eval_count * batch_size * seq_len, "runs": runs, **difference}
   print(json.dumps(out, indent=1))
   write_results(FLAGS.out, out)
 
