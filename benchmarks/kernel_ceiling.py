@@ -32,22 +32,13 @@ from benchmarks.common import TRAINING_SMOKE, TRAINING_SMOKE_ROWS, TRAINING_SMOK
     write_results
 from models.presets import build, get_config, parse_overrides
 from sljax.machines import configure_process, rates_of
+from sljax.metrics import training_flops
 from sljax.schedule import Engine, EngineConfig
 
 FLAGS = flags.FLAGS
 REPEATS = 5  # timed calls per kernel, after one that compiles it
 SUSTAIN_S = 3.0  # seconds of each kernel back to back (after as many of warm-up) for the sustained times
 SMOKE_SUSTAIN_S = 0.05
-
-
-def layer_flops_per_token(cfg, seq: int) -> float:
-  """Training FLOPs per token of the decoder layers alone: flops_per_token less the head's 6 x vocab x width."""
-  return cfg.flops_per_token(seq) - 6 * cfg.vocab_size * cfg.embed_dim
-
-
-def hardware_flops_per_token(cfg, seq: int, recomputed_fraction: float) -> float:
-  """Model FLOPs plus the layers' forward passes run twice (a third of their training FLOPs each)."""
-  return cfg.flops_per_token(seq) + recomputed_fraction * layer_flops_per_token(cfg, seq) / 3
 
 
 def median_seconds(fn, args, repeats: int) -> tuple[float, list[float]]:
@@ -113,9 +104,9 @@ def ceilings(model, rows: int, seq: int, sub_batches: int, live_layers: int = 1,
                  if sustain_s > 0 else {})
 
   peak = rates_of(jax.devices()[0].device_kind).peak_flops
-  # A kernel's hardware FLOPs: the group's share of the layers' forward (a third of their training FLOPs), three
-  # times that with the backward (XLA may drop a matmul whose output only the unused forward result needs).
-  forward_flops = rows * seq * layer_flops_per_token(cfg, seq) / 3 * live_layers / cfg.num_layers
+  # A kernel's hardware FLOPs: the group's layers' forward, three times that with the backward (XLA may drop a matmul
+  # whose output only the unused forward result needs).
+  forward_flops = rows * seq * cfg.layer_forward_flops(seq) * live_layers
   hardware = {"forward": forward_flops, "recompute_backward": 3 * forward_flops, "residuals_kept": 3 * forward_flops}
   calls = cfg.num_layers / live_layers * sub_batches  # of each kernel per step
   step_of = lambda seconds: {"full_recompute": calls * (seconds["forward"] + seconds["recompute_backward"]),
@@ -135,7 +126,7 @@ def ceilings(model, rows: int, seq: int, sub_batches: int, live_layers: int = 1,
       "ms_all": {name: [1e3 * t for t in times] for name, (_, times) in timed.items()},
       **{f"step_s_{kind}": s for kind, s in step_s.items()},
       **{f"ceiling_mfu_{kind}": step_tokens * cfg.flops_per_token(seq) / (s * peak) for kind, s in step_s.items()},
-      "ceiling_hfu_full_recompute": (step_tokens * hardware_flops_per_token(cfg, seq, 1.0)
+      "ceiling_hfu_full_recompute": (step_tokens * training_flops(cfg, seq, cfg.num_layers).hardware
                                      / (step_s["full_recompute"] * peak)),
       "kernel_hfu": {name: hardware[name] / (seconds[name] * peak) for name in kernels},
       **sustained,

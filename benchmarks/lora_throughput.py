@@ -6,11 +6,13 @@ state through the project's checkpointer, and the step after each compared.
   python -m benchmarks.lora_throughput --smoke --out=/tmp/lora_smoke.json   # tiny shapes, any machine
 
 Per model: the plan (sljax.lora.plan.plan_lora) for --seq_len; the base made one group at a time straight into its
-place; one warm-up step (it compiles), --steps timed steps. Recorded: tokens/s; mfu = tokens/s x FLOPs per token /
-peak, with FLOPs per token from sljax.lora.engine.lora_flops_per_token (base matmuls forward and input-gradient, the
-forward once more for each recomputed layer, the adapters' forward, recompute and both gradients, causal attention,
-the head's forward and input gradient; no weight gradient of the base exists); PCIe bytes per step (counted by the
-placement); peak device memory and host RSS. Then: save the state, one more step (loss A), restore the saved state,
+place; one warm-up step (it compiles), --steps timed steps. Recorded: tokens/s; mfu and hfu = tokens/s x FLOPs per
+token / peak, with FLOPs per token from sljax.lora.engine.lora_flops_per_token: model FLOPs for mfu (base matmuls
+forward and input gradient, the adapters' forward and both gradients, causal attention forward and backward, the
+head's forward and input gradient; no weight gradient of the base exists; no recompute), hardware FLOPs for hfu (the
+same plus the forward once more for each recomputed layer); PCIe bytes per step (counted by the placement); peak
+device memory and host RSS. (Files from before hfu was recorded hold the hardware figure as mfu, with its FLOPs per
+token as flops_per_token.) Then: save the state, one more step (loss A), restore the saved state,
 the same step again (loss B): A must equal B.
 """
 
@@ -93,15 +95,16 @@ def run(name: str, budget: Budget, overrides: dict) -> dict:
       "plan_seconds": {name: {"compute": phase.compute_seconds, "copies": pass_copy_seconds(plan.machine, phase)}
                        for name, phase in plan.phases.items()},
       "step_seconds": step_s, "step_times": times, "tokens_per_s": tokens_per_s,
-      "flops_per_token": flops, "mfu": tokens_per_s * flops / peak,
+      "model_flops_per_token": flops.model, "hardware_flops_per_token": flops.hardware,
+      "mfu": tokens_per_s * flops.model / peak, "hfu": tokens_per_s * flops.hardware / peak,
       "pcie_bytes_per_step": moved, "pcie_seconds_per_step_at_the_copy_rates": copy_s,
       "first_loss": first, "losses": losses, "init_seconds": init_s, "warmup_seconds": warmup_s,
       "adapter_params": int(sum(x.size for x in jax.tree.leaves(state["adapters"]))),
       "peak_device_bytes": device_peak_bytes(),
       "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
   }
-  print(f"{name}: {tokens_per_s:,.0f} tok/s, MFU {result['mfu']:.3f}, step {step_s:.2f} s, PCIe "
-        f"{sum(moved.values()) / 1e9:.1f} GB/step ({copy_s:.2f} s at the copy rates)", flush=True)
+  print(f"{name}: {tokens_per_s:,.0f} tok/s, MFU {result['mfu']:.3f}, HFU {result['hfu']:.3f}, step {step_s:.2f} s, "
+        f"PCIe {sum(moved.values()) / 1e9:.1f} GB/step ({copy_s:.2f} s at the copy rates)", flush=True)
   result.update(save_and_resume(engine, state, batch))
   return result
 

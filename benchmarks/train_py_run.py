@@ -5,8 +5,9 @@
   python -m benchmarks.train_py_run --smoke --out=/tmp/train_py_smoke.json                  # tiny, any machine
 
 The command's output goes to the JSON's `log` file beside it (`--log`). Throughput is the trainer's own: each log
-window's tokens/s and MFU as its progress bar printed them; "steady" is over every window after the first (whose step
-compiles), weighted by the window's steps. Goals (the bare command's, from the issue that asked for it): the plan is
+window's tokens/s, MFU (model FLOPs, no recompute) and HFU (recompute counted; a log from before the trainer printed
+it has none) as its progress bar printed them; "steady" is over every window after the first (whose step compiles),
+weighted by the window's steps. Goals (the bare command's, from the issue that asked for it): the plan is
 compute-bound, steady MFU >= 45%, no step's loss above 1.05 x the first step's, and the last ten steps' mean loss
 below the first ten's.
 """
@@ -30,23 +31,28 @@ define_flags("A tiny model on CPU: checks the code path in seconds.")
 flags.DEFINE_string("log", "", "Write the command's output here (default: the JSON's path with .log).")
 FLAGS = flags.FLAGS
 
-# The trainer's progress bar: "loss 11.426 | 2,053 tok/s | MFU 16.5%: ... 10/12 [...]", with " | eval 2.310" before
-# the colon once an --eval_every evaluation ran (metrics.progress_description)
-WINDOW = re.compile(r"loss (?P<loss>[\d.]+) \| (?P<tps>[\d,]+) tok/s \| MFU (?P<mfu>[\d.]+%|n/a)(?: \| eval [\d.]+)?:"
-                    r"\s+\d+%\|[^|]*\| (?P<step>\d+)/\d+")
+# The trainer's progress bar: "loss 11.426 | 2,053 tok/s | MFU 16.5% | HFU 21.9%: ... 10/12 [...]", with
+# " | eval 2.310" before the colon once an --eval_every evaluation ran (metrics.progress_description); older logs
+# have no HFU
+WINDOW = re.compile(r"loss (?P<loss>[\d.]+) \| (?P<tps>[\d,]+) tok/s \| MFU (?P<mfu>[\d.]+%|n/a)"
+                    r"(?: \| HFU (?P<hfu>[\d.]+%|n/a))?(?: \| eval [\d.]+)?:\s+\d+%\|[^|]*\| (?P<step>\d+)/\d+")
+
+
+def _fraction(percent: str | None) -> float | None:
+  return None if percent in (None, "n/a") else float(percent[:-1]) / 100
 
 
 def windows(log: str) -> list[dict]:
-  """The trainer's log windows, in order: {"last_step", "steps", "tokens_per_s", "mfu", "mean_loss"}. A window's
-  numbers first appear on the progress bar at the step that closed it."""
+  """The trainer's log windows, in order: {"last_step", "steps", "tokens_per_s", "mfu", "hfu", "mean_loss"} (hfu
+  None where the log has none). A window's numbers first appear on the progress bar at the step that closed it."""
   seen, out = set(), []
   for match in WINDOW.finditer(log):
-    key = (match["loss"], match["tps"], match["mfu"])
+    key = (match["loss"], match["tps"], match["mfu"], match["hfu"])
     if key in seen:
       continue
     seen.add(key)
     out.append({"last_step": int(match["step"]), "tokens_per_s": float(match["tps"].replace(",", "")),
-                "mfu": None if match["mfu"] == "n/a" else float(match["mfu"][:-1]) / 100, "mean_loss": float(match["loss"])})
+                "mfu": _fraction(match["mfu"]), "hfu": _fraction(match["hfu"]), "mean_loss": float(match["loss"])})
   previous = 0
   for window in out:
     window["steps"], previous = window["last_step"] - previous, window["last_step"]
@@ -66,8 +72,9 @@ def summarize(command: list[str], log: str, losses: list[float | None], seconds:
   steady_steps = sum(w["steps"] for w in steady)
   seconds_steady = sum(w["steps"] / w["tokens_per_s"] for w in steady)
   tokens_per_s = steady_steps / seconds_steady if steady else None
-  mfu = (sum(w["steps"] / w["tokens_per_s"] * w["mfu"] for w in steady) / seconds_steady if steady and
-         all(w["mfu"] is not None for w in steady) else None)
+  steady_mean = lambda name: (sum(w["steps"] / w["tokens_per_s"] * w[name] for w in steady) / seconds_steady
+                               if steady and all(w[name] is not None for w in steady) else None)
+  mfu = steady_mean("mfu")
   finite = [x for x in losses if x is not None]
   ten = min(10, len(losses) // 2)
   goals = {
@@ -86,7 +93,8 @@ def summarize(command: list[str], log: str, losses: list[float | None], seconds:
       "recipe": next((line for line in lines if line.startswith("recipe of ")), None),
       "plan": plan, "windows": found,
       "steps_in_steady_window": f"{found[0]['last_step'] + 1}-{found[-1]['last_step']}" if steady else None,
-      "tokens_per_s_steady": tokens_per_s, "mfu_steady": mfu, "losses": losses, "goals": goals,
+      "tokens_per_s_steady": tokens_per_s, "mfu_steady": mfu, "hfu_steady": steady_mean("hfu"), "losses": losses,
+      "goals": goals,
   }
 
 
@@ -111,7 +119,8 @@ def main(argv):
   result = summarize(command, log, [row["loss"] for row in sorted(rows, key=lambda row: row["step"])], seconds,
                      done.returncode)
   write_results(FLAGS.out, result)
-  print(json.dumps({k: result[k] for k in ("tokens_per_s_steady", "mfu_steady", "goals", "returncode")}, indent=1))
+  print(json.dumps({k: result[k] for k in ("tokens_per_s_steady", "mfu_steady", "hfu_steady", "goals", "returncode")},
+                   indent=1))
   print("losses:", " ".join("nan" if x is None else f"{x:.3f}" for x in result["losses"]))
   if done.returncode:
     print(log[-3000:])

@@ -74,11 +74,14 @@ def run_case(name, model, engine_cfg, place, rows_per_gpu, seq, steps):
   gc.collect()
 
   tokens_per_s = rows_per_gpu * gpus * seq / seconds
+  flops = metrics.training_flops(model.cfg, seq, engine.groups[-1][0])  # every group's layers but the last group's
+  utilization = lambda flops_per_token: metrics.utilization(tokens_per_s, flops_per_token, gpus,
+                                                            place.mesh.devices.flat[0])
   result = {
       "case": name, "mesh": dict(place.mesh.shape), "gpus": gpus, "rows": rows_per_gpu * gpus, "seq_len": seq,
       "engine": dataclasses.asdict(engine_cfg), "tokens_per_s": tokens_per_s,
       "tokens_per_s_per_gpu": tokens_per_s / gpus,
-      "mfu_per_gpu": metrics.mfu(tokens_per_s, model.cfg.flops_per_token(seq), gpus, place.mesh.devices.flat[0]),
+      "mfu_per_gpu": utilization(flops.model), "hfu_per_gpu": utilization(flops.hardware),
       "step_seconds": seconds, "step_seconds_all": times, "losses": losses,
       "bytes_per_step": moved, "bytes_per_step_per_gpu": {kind: count / gpus for kind, count in moved.items()},
       "peak_device_bytes_per_gpu": [(d.memory_stats() or {}).get("peak_bytes_in_use")

@@ -56,11 +56,12 @@ from jax import lax
 from benchmarks import trace_overlap
 from benchmarks.common import (TRAINING_SMOKE, TRAINING_SMOKE_ROWS, TRAINING_SMOKE_SEQ, batch_of, define_flags,
                                provenance, timed, write_results)
-from benchmarks.kernel_ceiling import SMOKE_SUSTAIN_S, SUSTAIN_S, ceilings, hardware_flops_per_token
+from benchmarks.kernel_ceiling import SMOKE_SUSTAIN_S, SUSTAIN_S, ceilings
 from models.presets import build, get_config, parse_overrides
 from sljax import launch
 from sljax import plan as planner
 from sljax.machines import GIB, configure_process, default_budget, rates_of
+from sljax.metrics import training_flops
 from sljax.memory import Placement, prefetch
 from sljax.mesh import make_mesh
 from sljax.request import LaunchConfig, Request
@@ -115,12 +116,12 @@ def peak_flops() -> float:
   return rates_of(jax.devices()[0].device_kind).peak_flops
 
 
-def record(name, cfg, rows, seq, seconds, times, losses, recomputed_fraction, extra):
-  tokens_per_s = rows * seq / seconds
+def record(name, cfg, rows, seq, seconds, times, losses, recomputed_layers, extra):
+  tokens_per_s, flops = rows * seq / seconds, training_flops(cfg, seq, recomputed_layers)
   result = {
       "case": name, "tokens_per_s": tokens_per_s, "step_seconds": seconds, "step_seconds_all": times,
-      "losses": losses, "mfu": tokens_per_s * cfg.flops_per_token(seq) / peak_flops(),
-      "hfu": tokens_per_s * hardware_flops_per_token(cfg, seq, recomputed_fraction) / peak_flops(),
+      "losses": losses, "mfu": tokens_per_s * flops.model / peak_flops(),
+      "hfu": tokens_per_s * flops.hardware / peak_flops(),
       "peak_device_bytes": device_peak_bytes(), "peak_host_rss_bytes": resource.getrusage(
           resource.RUSAGE_SELF).ru_maxrss * 1024, **extra}
   print(f"{name:28s} {tokens_per_s:10.0f} tok/s  MFU {result['mfu']:.3f}  HFU {result['hfu']:.3f}  "
@@ -138,7 +139,7 @@ def run_engine(name, engine: Engine, batch, steps, key):
   seconds, times, losses, state = timed(engine.step, state, batch, steps)
   moved = {k: (engine.place.moved[k] - before[k]) // (steps + 1) for k in before}  # every step moves the same
   layers = engine.model.cfg.num_layers
-  recomputed = engine.groups[-1][0] / layers  # every group's layers but the last group's
+  recomputed = engine.groups[-1][0]  # every group's layers but the last group's
   rows, seq = batch["inputs"].shape
   result = record(name, engine.model.cfg, rows, seq, seconds, times, losses, recomputed,
                   {"engine": dataclasses.asdict(engine.cfg), "bytes_moved_per_step": moved})
@@ -159,8 +160,8 @@ def run_engine(name, engine: Engine, batch, steps, key):
   def schedule_ceiling(suffix=""):
     """This schedule's own: the layers before the last group recompute, the last group's keep their residuals."""
     per_layer_s = {kind: ceiling[f"step_s_{kind}{suffix}"] / layers for kind in ("full_recompute", "residuals_kept")}
-    schedule_s = layers * (recomputed * per_layer_s["full_recompute"] + (1 - recomputed) * per_layer_s[
-        "residuals_kept"])
+    schedule_s = (recomputed * per_layer_s["full_recompute"]
+                  + (layers - recomputed) * per_layer_s["residuals_kept"])
     return ceiling[f"ceiling_mfu_full_recompute{suffix}"] * ceiling[f"step_s_full_recompute{suffix}"] / schedule_s
 
   return {**result, **{f"ceiling_mfu_{kind}{suffix}": ceiling[f"ceiling_mfu_{kind}{suffix}"]
@@ -279,7 +280,8 @@ def device_case(name, model, optimizer, batch, steps, key):
   del params
   seconds, times, losses, _ = timed(all_on_device_step(model, optimizer), state, batch, steps)
   rows, seq = batch["inputs"].shape
-  return record(name, model.cfg, rows, seq, seconds, times, losses, float(model.cfg.remat), {"remat": model.cfg.remat})
+  return record(name, model.cfg, rows, seq, seconds, times, losses,
+                model.cfg.num_layers if model.cfg.remat else 0, {"remat": model.cfg.remat})
 
 
 def in_jit_scan_case(model, optimizer, batch, steps, key):
@@ -290,7 +292,7 @@ def in_jit_scan_case(model, optimizer, batch, steps, key):
   del master
   seconds, times, losses, _ = timed(in_jit_scan_step(model, optimizer, place), state, batch, steps)
   rows, seq = batch["inputs"].shape
-  return record("fits/in_jit_scan", model.cfg, rows, seq, seconds, times, losses, 1.0, {})
+  return record("fits/in_jit_scan", model.cfg, rows, seq, seconds, times, losses, model.cfg.num_layers, {})
 
 
 def attempt(name, run) -> dict:
@@ -326,7 +328,7 @@ def fits_cases(model, rows, seq, steps, key):
     engine = Engine(model, optimizer, per_micro_cfg)
     step = per_micro_batch_step(engine, plan.engine.sub_batches)
     seconds, times, losses, _ = timed(step, engine.init(key), batch, steps)
-    keep(record("fits/per_micro_batch", model.cfg, rows, seq, seconds, times, losses, 0.0,
+    keep(record("fits/per_micro_batch", model.cfg, rows, seq, seconds, times, losses, 0,
                 {"micro_batches": plan.engine.sub_batches}))
 
   if "in_jit_scan" in wanted:

@@ -95,13 +95,15 @@ class ModelConfig:
   def param_count(self) -> int:
     return self.outer_param_count() + self.num_layers * self.layer_param_count()
 
+  def layer_forward_flops(self, seq_len: int) -> float:
+    """Forward FLOPs per token of one decoder layer: 2 x its params + causal attention (QK^T and AV: 2 matmuls x 2
+    flops x seq x d, halved by the causal mask)."""
+    return 2 * self.layer_param_count() + 2 * seq_len * self.hidden_size
+
   def flops_per_token(self, seq_len: int) -> float:
-    """Training model FLOPs per token: 6 x matmul params + causal attention (no recompute counted)."""
-    d, v = self.hidden_size, self.vocab_size
-    matmul_params = self.num_layers * (self.layer_param_count()) + v * self.embed_dim
-    # QK^T and AV: 2 matmuls x 2 flops x seq x d per layer forward, halved by the causal mask; x3 for training.
-    attention = 3 * self.num_layers * 2 * 2 * seq_len * d / 2
-    return 6 * matmul_params + attention
+    """Training model FLOPs per token: 6 x matmul params + causal attention, i.e. forward and backward (twice the
+    forward) of every layer and of the head (no recompute counted)."""
+    return 3 * (self.num_layers * self.layer_forward_flops(seq_len) + 2 * self.vocab_size * self.embed_dim)
 
 
 # The fields that fix the weights' shapes and structure, with num_heads (the layout of the attention kernels' columns):

@@ -299,5 +299,9 @@ def train(job: Job) -> dict[int, float]:
     return trainer.train(fine_tuned(engine), job.source, run_cfg, {**meta, "lora": lora_meta(request, job.configs)},
                          learning_rate, lora_flops_per_token(engine.model, data_cfg.seq_len, recomputed))
   mesh = job.mesh if job.mesh.size > 1 else None
+  # The offload engine recomputes every group's layers but the last group's; the on-device step with remat, each layer.
+  recomputed = (job.engine.bounds(model_cfg.num_layers)[-1][0] if job.engine is not None
+                else model_cfg.num_layers if model_cfg.remat else 0)
   return trainer.train(make_step(model_cfg, optim_cfg, job.engine, mesh), job.source, run_cfg, meta, learning_rate,
-                       model_cfg.flops_per_token(data_cfg.seq_len), devices=job.mesh.size, init_params=weights)
+                       metrics.training_flops(model_cfg, data_cfg.seq_len, recomputed), devices=job.mesh.size,
+                       init_params=weights)

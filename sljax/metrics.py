@@ -1,7 +1,9 @@
-"""Throughput and MFU, TensorBoard scalars, the progress-bar line, and the checks that the logs can be written."""
+"""Throughput, FLOPs per token and utilization (MFU, HFU), TensorBoard scalars, the progress-bar line, and the checks
+that the logs can be written."""
 
 import importlib.util
 import os
+from typing import NamedTuple
 
 import jax
 
@@ -15,21 +17,43 @@ def peak_flops(device: jax.Device | None = None) -> float | None:
   return machine.peak_flops if machine else None
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, device: jax.Device | None = None
-        ) -> float | None:
-  """Model FLOPs utilization: model FLOP/s over `num_devices` devices' peak; None when the peak is unknown."""
+class StepFlops(NamedTuple):
+  """FLOPs per token of one training step, counted two ways (full training: training_flops; LoRA:
+  sljax.lora.engine.lora_flops_per_token)."""
+
+  model: float  # MFU's: each pass the step's math needs, once: forward, and backward for the gradients it takes
+  hardware: float  # HFU's: model FLOPs plus the forwards the backward runs again (recompute)
+
+
+def step_flops(model_flops: float, layer_forward_flops: float, recomputed_layers: float) -> StepFlops:
+  """A step's FLOPs per token from its model FLOPs and one layer's forward FLOPs, when the backward runs the forward
+  of `recomputed_layers` layers again (per-layer remat, or a group's recompute in the offload and LoRA engines)."""
+  return StepFlops(model=model_flops, hardware=model_flops + recomputed_layers * layer_forward_flops)
+
+
+def training_flops(cfg, seq_len: int, recomputed_layers: float) -> StepFlops:
+  """Full training of a model of `cfg` (models.ModelConfig): model FLOPs cfg.flops_per_token (6 x params + causal
+  attention), hardware FLOPs with `recomputed_layers` layers' forward run again."""
+  return step_flops(cfg.flops_per_token(seq_len), cfg.layer_forward_flops(seq_len), recomputed_layers)
+
+
+def utilization(tokens_per_s: float, flops_per_token: float, num_devices: int, device: jax.Device | None = None
+                ) -> float | None:
+  """FLOP/s over `num_devices` devices' peak: MFU with model FLOPs per token, HFU with hardware FLOPs; None when the
+  peak is unknown."""
   peak = peak_flops(device)
   if peak is None:
     return None
   return tokens_per_s * flops_per_token / (num_devices * peak)
 
 
-def progress_description(loss: float, tokens_per_s: float, utilization: float | None,
+def progress_description(loss: float, tokens_per_s: float, mfu: float | None, hfu: float | None,
                          eval_loss: float | None = None) -> str:
-  """The progress bar's line; eval_loss: the newest held-out loss, None before the first."""
-  mfu_text = "n/a" if utilization is None else f"{100 * utilization:.1f}%"
+  """The progress bar's line: MFU (model FLOPs, no recompute) then HFU (recompute counted); eval_loss: the newest
+  held-out loss, None before the first."""
+  percent = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"
   eval_text = "" if eval_loss is None else f" | eval {eval_loss:.3f}"
-  return f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {mfu_text}{eval_text}"
+  return f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {percent(mfu)} | HFU {percent(hfu)}{eval_text}"
 
 
 def check_logger():

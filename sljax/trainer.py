@@ -315,12 +315,13 @@ def _releases_workdir(train):
 
 @_releases_workdir
 def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning_rate: Callable[[int], float],
-          flops_per_token: float, devices: int = 1, init_params=None) -> dict[int, float]:
+          flops: metrics.StepFlops, devices: int = 1, init_params=None) -> dict[int, float]:
   """Trains to `run_cfg.steps`, resuming from the newest checkpoint in the workdir; returns {step: loss} of the
   steps this call ran (step n is the loss of the n-th update, 1-based; NaN for a skipped step). `meta` is saved
-  with every checkpoint. `learning_rate` (the schedule: update index -> rate) and `flops_per_token` are logged with
-  the losses, the MFU over `devices` devices. A run with no checkpoint yet starts from `init_params` (full-model
-  params or a reader of them, e.g. models.hf.HFWeights) when given, else from a random init.
+  with every checkpoint. `learning_rate` (the schedule: update index -> rate) is logged with the losses, and from
+  `flops` (per token) the MFU (model FLOPs, no recompute) and the HFU (recompute counted) over `devices` devices, on
+  the progress line and in TensorBoard ("mfu", "hfu"). A run with no checkpoint yet starts from `init_params`
+  (full-model params or a reader of them, e.g. models.hf.HFWeights) when given, else from a random init.
 
   The loop runs at most one step ahead of the device (it waits for step n-1's loss after dispatching step n), so
   SIGTERM / SIGINT stop it after the step in flight, which it saves. It reads losses at sync points: every
@@ -452,14 +453,15 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
         skipped.update(bad)
         seconds = time.perf_counter() - window_start
         tokens_per_s = window_steps * tokens_per_step / seconds
-        utilization = metrics.mfu(tokens_per_s, flops_per_token, devices, device)
+        mfu = metrics.utilization(tokens_per_s, flops.model, devices, device)
+        hfu = metrics.utilization(tokens_per_s, flops.hardware, devices, device)
         eval_line = None
         if evaluating and not (bad and not engine.skips_bad_steps):  # not on a state a bad step spoiled
           last_eval, eval_line = evaluate(seconds / window_steps)
         for n, value in losses.items():
           logger.scalars(n, {"loss": value, "learning_rate": float(learning_rate(n - 1))})
-        logger.scalars(step, {"tokens_per_s": tokens_per_s, "mfu": utilization, "step_seconds": seconds / window_steps,
-                              "skipped_steps": len(skipped)})
+        logger.scalars(step, {"tokens_per_s": tokens_per_s, "mfu": mfu, "hfu": hfu,
+                              "step_seconds": seconds / window_steps, "skipped_steps": len(skipped)})
         logger.flush()
         if loss_log:
           loss_log.writelines(json.dumps({"step": n, "loss": value if math.isfinite(value) else None}) + "\n"
@@ -471,7 +473,7 @@ def train(engine: Step, source: Source, run_cfg: RunConfig, meta: dict, learning
           logging.info("first step (compilation included): %.1f s, loss %.3f", seconds, losses[min(losses)])
         finite = [value for value in losses.values() if math.isfinite(value)]
         if finite:
-          progress.set_description(metrics.progress_description(sum(finite) / len(finite), tokens_per_s, utilization,
+          progress.set_description(metrics.progress_description(sum(finite) / len(finite), tokens_per_s, mfu, hfu,
                                                                 last_eval))
         history.update(losses)
         pending, window_start, window_steps = [], time.perf_counter() - training_tail, 0

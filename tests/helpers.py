@@ -2,6 +2,7 @@
 `helpers` (conftest.py puts tests/ on sys.path; tests/test_mesh.py's worker process finds it beside itself)."""
 
 import functools
+import glob
 import json
 import os
 import subprocess
@@ -94,6 +95,24 @@ def run_train(*args) -> dict[int, float]:
 def train_in_process(workdir, *args) -> dict[int, float]:
   """A tiny model's train.py run in `workdir`."""
   return run_train(f"--workdir={workdir}", *TINY, *args)
+
+
+def tensorboard_scalars(workdir) -> dict[str, dict[int, float]]:
+  """{tag: {step: value}} of a run's TensorBoard event files (TFRecord framing: length, its CRC, event, its CRC)."""
+  import struct
+
+  from tensorboardX.proto.event_pb2 import Event
+
+  scalars = {}
+  for path in glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*")):
+    data, i = open(path, "rb").read(), 0
+    while i < len(data):
+      (length,) = struct.unpack("<Q", data[i:i + 8])
+      event = Event.FromString(data[i + 12:i + 12 + length])
+      i += 12 + length + 4
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+  return scalars
 
 
 # Runs generate.run() once per case in one process, since each CLI run would pay for its own jax start (and

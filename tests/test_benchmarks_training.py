@@ -157,6 +157,23 @@ def test_train_py_run_smoke_reads_the_plan_windows_and_every_loss(tmp_path):
   assert (tmp_path / "result.log").read_text().count("loss ") > 0
 
 
+def test_train_py_run_reads_the_progress_line_the_trainer_prints_and_older_ones_without_hfu():
+  from benchmarks.train_py_run import summarize
+  from sljax.metrics import progress_description
+  bar = lambda step, line: f"{line}:  {100 * step // 3}%|##| {step}/3 [00:01<00:00]\r"
+  lines = [(1, progress_description(3.0, 100.0, 0.1, 0.2)), (2, progress_description(2.0, 300.0, 0.3, 0.45)),
+           (3, progress_description(1.0, 100.0, 0.1, 0.15, eval_loss=1.5))]
+  result = summarize([], "".join(bar(step, line) for step, line in lines), [3.0, 2.0, 1.0], 1.0, 0)
+  assert [(w["last_step"], w["mfu"], w["hfu"]) for w in result["windows"]] == [(1, 0.1, 0.2), (2, 0.3, 0.45),
+                                                                              (3, 0.1, 0.15)]
+  # Steady: windows 2-3, each weighted by its time (one step at 300 tok/s, one at 100).
+  assert result["mfu_steady"] == pytest.approx((0.3 / 300 + 0.1 / 100) / (1 / 300 + 1 / 100))
+  assert result["hfu_steady"] == pytest.approx((0.45 / 300 + 0.15 / 100) / (1 / 300 + 1 / 100))
+  older = summarize([], "".join(bar(step, f"loss {step}.000 | 300 tok/s | MFU 30.0%") for step in (1, 2)), [1.0, 2.0],
+                    1.0, 0)
+  assert older["mfu_steady"] == pytest.approx(0.3) and older["hfu_steady"] is None
+
+
 def test_train_py_run_reads_a_lora_plan():
   from benchmarks.train_py_run import summarize
   plan = ["plan for llama70b, batch 8 x 2048:", "LoRA plan: batch 8 as 1 sub-batches, 58 base layers resident",
@@ -242,3 +259,4 @@ def test_lora_benchmark_smoke_streams_part_of_the_base_and_resumes_exactly(tmp_p
   assert 0 < result["plan"]["resident_layers"] < 8
   assert result["pcie_bytes_per_step"]["host_to_device"] > result["plan_host_bytes"]["streamed base layers"]
   assert result["checkpoint"]["equal"] and result["tokens_per_s"] > 0
+  assert 0 < result["mfu"] < result["hfu"]  # 6 of its 8 layers recompute their forward: counted in HFU alone

@@ -15,17 +15,20 @@ import transformers
 
 from models.hf import HFWeights, load_hf
 from models.presets import build
+import sljax.metrics
 from sljax.checkpoint import newest_checkpoint, read_manifest
 from sljax.generate import SamplingConfig, generate_on_device
 from sljax.lora.checkpoint import open_checkpoint, read_adapters
+from sljax.lora.engine import lora_flops_per_token
 from sljax.lora.model import LoraModel, join_adapters, merge
 from sljax.export import ExportConfig, export
 
-from helpers import generate_cases, run_train
+from helpers import generate_cases, run_train, tensorboard_scalars
 
 LORA = ["--set=dtype=float32", "--seq_len=16", "--batch_size=4", "--max_tokens=20000", "--warmup_steps=1",
         "--decay_steps=4", "--log_every=1", "--checkpoint_every=1", "--learning_rate=1e-2", "--lora_rank=4",
         "--lora_targets=q_proj,v_proj", "--lora_targets=down_proj"]  # a comma list and a repeated flag
+PEAK_FLOPS = 1e9  # the trained fixture's device peak, so that the CPU run logs MFU and HFU
 
 
 class Trained(NamedTuple):
@@ -46,7 +49,9 @@ def trained(tmp_path_factory) -> Trained:
     for p in model.parameters():
       p.add_(0.1 * torch.randn_like(p))
   model.save_pretrained(root / "hf")
-  history = run_train(f"--hf_dir={root / 'hf'}", f"--workdir={root / 'run'}", *LORA, "--steps=2")
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sljax.metrics, "peak_flops", lambda device=None: PEAK_FLOPS)
+    history = run_train(f"--hf_dir={root / 'hf'}", f"--workdir={root / 'run'}", *LORA, "--steps=2")
   return Trained(str(root / "hf"), str(root / "run"), history)
 
 
@@ -74,6 +79,20 @@ def test_lora_run_trains_only_the_adapters_and_resumes_bit_for_bit(tmp_path, tra
   assert {entry["path"][0] for entry in state["arrays"]} == {"step", "adapters", "opt"}
   assert one.meta["lora"] == {"rank": 4, "alpha": 16.0, "targets": ["q_proj", "v_proj", "down_proj"],
                               "base": {"hf_dir": os.path.abspath(trained.hf_dir)}}
+
+
+@pytest.mark.slow
+def test_tensorboard_has_mfu_without_the_recompute_and_hfu_with_it(trained):
+  """One layer a group: the first of the base's two layers recomputes its forward in the backward, the last does not.
+  Each log window's mfu is its tokens/s x lora_flops_per_token's model FLOPs over the peak, hfu with hardware FLOPs."""
+  cfg, _ = load_hf(trained.hf_dir, dtype="float32")
+  flops = lora_flops_per_token(LoraModel(build(cfg), open_checkpoint(trained.workdir).lora), 16, recomputed_layers=1)
+  scalars = tensorboard_scalars(trained.workdir)
+  assert sorted(scalars["tokens_per_s"]) == [1, 2]
+  for step, tokens_per_s in scalars["tokens_per_s"].items():
+    assert scalars["mfu"][step] == pytest.approx(tokens_per_s * flops.model / PEAK_FLOPS, rel=1e-5)
+    assert scalars["hfu"][step] == pytest.approx(tokens_per_s * flops.hardware / PEAK_FLOPS, rel=1e-5)
+  assert flops.hardware > flops.model
 
 
 @pytest.mark.slow

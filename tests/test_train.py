@@ -12,7 +12,7 @@ import pytest
 from sljax import metrics
 from sljax.checkpoint import newest_checkpoint
 
-from helpers import REPO, TINY, run_train, train_in_process
+from helpers import REPO, TINY, run_train, tensorboard_scalars, train_in_process
 
 
 @pytest.mark.slow
@@ -226,24 +226,6 @@ def test_host_budget_is_split_among_the_process_devices(tmp_path, capsys, mesh, 
 
 
 # ---- held-out evaluation: --eval_every, --eval_batches -----------------------------------------------------------
-
-def tensorboard_scalars(workdir) -> dict[str, dict[int, float]]:
-  """{tag: {step: value}} of a run's TensorBoard event files (TFRecord framing: length, its CRC, event, its CRC)."""
-  import struct
-
-  from tensorboardX.proto.event_pb2 import Event
-
-  scalars = {}
-  for path in glob.glob(str(workdir / "tb" / "events.out.tfevents.*")):
-    data, i = open(path, "rb").read(), 0
-    while i < len(data):
-      (length,) = struct.unpack("<Q", data[i:i + 8])
-      event = Event.FromString(data[i + 12:i + 12 + length])
-      i += 12 + length + 4
-      for value in event.summary.value:
-        scalars.setdefault(value.tag, {})[event.step] = value.simple_value
-  return scalars
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", [[], ["--engine=offload", "--sub_batches=2", "--live_layers=1"]],

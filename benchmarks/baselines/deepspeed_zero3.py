@@ -73,6 +73,7 @@ from benchmarks import common  # noqa: E402
 from models.presets import get_config  # noqa: E402
 from sljax.machines import GIB, meminfo, rates_of  # noqa: E402
 from sljax.memory import resident_bytes  # noqa: E402
+from sljax.metrics import training_flops  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------- report
@@ -714,9 +715,8 @@ def main(argv=None):
       if dev.type == "cuda":
         torch.cuda.set_device(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-      flops_per_token = cfg.flops_per_token(args.seq)
-      # As benchmarks.train_throughput: recompute adds one forward of each layer (a third of its training FLOPs).
-      layer_part = flops_per_token - 6 * cfg.vocab_size * cfg.embed_dim
+      # As benchmarks.train_throughput: gradient checkpointing recomputes each layer's forward.
+      flops = training_flops(cfg, args.seq, cfg.num_layers if args.grad_ckpt else 0)
       peak = rates_of(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu").peak_flops
       rep.data.update(
           backend=args.backend,
@@ -725,8 +725,7 @@ def main(argv=None):
           versions=versions(), device=device_info(dev),
           config=vars(args), optimizer_settings=optimizer_settings(args),
           model={"preset": args.model, **dataclasses.asdict(cfg), "sljax_param_count": cfg.param_count()},
-          flops_per_token=flops_per_token, peak_flops=peak,
-          hardware_flops_per_token=flops_per_token + (layer_part / 3 if args.grad_ckpt else 0),
+          flops_per_token=flops.model, peak_flops=peak, hardware_flops_per_token=flops.hardware,
           mfu_formula=f"tokens/s * models.presets.get_config(model).flops_per_token(seq) / {peak:g} "
                       "(6 x matmul params + causal attention; recompute not counted)")
       run = run_deepspeed if args.backend == "deepspeed" else run_fsdp

@@ -29,6 +29,7 @@ from sljax.generate import layer_groups
 from sljax.lora.model import LoraModel, join_adapters, split_adapters
 from sljax.memory import InFlight, Placement, prefetch
 from sljax.mesh import check_batch
+from sljax.metrics import StepFlops, step_flops
 from sljax.schedule import check_training_batch
 from sljax.sizes import model_sizes
 
@@ -41,11 +42,12 @@ class LoraEngineConfig:
   activations_on_host: bool = True  # stash group-boundary hidden states in pinned host memory for the backward
 
 
-def lora_flops_per_token(model: LoraModel, seq_len: int, recomputed_layers: int) -> float:
-  """FLOPs per token of one LoRA step as the engine runs it, the figure its MFU counts: the base's matmuls forward
-  and input-gradient (2 + 2 x params), once more forward for each recomputed layer, the adapters' (forward,
-  recompute, input and adapter gradients), causal attention in the same passes (forward 2 S D per layer, backward
-  twice that), and the head forward + input gradient. No weight gradient of the base is computed or counted."""
+def lora_flops_per_token(model: LoraModel, seq_len: int, recomputed_layers: int) -> StepFlops:
+  """FLOPs per token of one LoRA step, by full training's rule (sljax.metrics.StepFlops): model FLOPs (MFU) count
+  each layer's forward once and its backward: the base's matmuls forward and input gradient (2 + 2 x params; the
+  frozen base has no weight gradient), the adapters' forward, input and weight gradients (3 x 2 x params), causal
+  attention forward (2 S D) and backward (twice that); and the head's forward and input gradient. Hardware FLOPs
+  (HFU) add one more forward of each of the `recomputed_layers` layers the engine recomputes in its backward."""
   sizes = model_sizes(model.base)
   cfg, layers = model.cfg, model.cfg.num_layers
   probe = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))
@@ -53,10 +55,10 @@ def lora_flops_per_token(model: LoraModel, seq_len: int, recomputed_layers: int)
   kernels = sum(x.size for path, x in traverse_util.flatten_dict(base).items() if path[-1] == "kernel")
   adapter_params = sum(x.size for x in jax.tree.leaves(adapters))
   attention = 2 * seq_len * sizes.hidden  # causal QK^T and AV of one forward
-  passes = layers + recomputed_layers  # forwards run
+  forward = 2 * kernels + 2 * adapter_params + attention
+  backward = 2 * kernels + 4 * adapter_params + 2 * attention
   head = 4 * cfg.vocab_size * sizes.hidden if hasattr(cfg, "vocab_size") else 0
-  return (2 * kernels * (passes + layers) + 2 * adapter_params * (passes + 2 * layers)
-          + attention * (passes + 2 * layers) + head)
+  return step_flops(layers * (forward + backward) + head, forward, recomputed_layers)
 
 
 class LoraEngine:
@@ -128,8 +130,9 @@ class LoraEngine:
 
   @property
   def calls(self) -> "LoraCalls":
-    """The step's jitted calls that the plan sizes (compiled memory analysis, sljax.lora.plan)."""
-    return LoraCalls(last_group=self._last_group, backward=self._backward, cast=self._cast)
+    """The step's jitted calls: the plan sizes them (compiled memory analysis, sljax.lora.plan); their compiled FLOPs
+    are what lora_flops_per_token counts (tests/test_lora.py)."""
+    return LoraCalls(forward=self._forward, last_group=self._last_group, backward=self._backward, cast=self._cast)
 
   # ---- the frozen base -----------------------------------------------------------------------------------------
 
@@ -285,6 +288,7 @@ class LoraEngine:
 class LoraCalls(NamedTuple):
   """Pieces of `LoraEngine.step`; x, dy: one sub-batch's hidden states, base and adapters: one group's."""
 
+  forward: Callable  # (base, adapters, x) -> y: a group's forward (every group but the last)
   last_group: Callable  # (base, adapters, outer, x, targets, weights, 1 / total weight, grads) -> (loss, dx, grads)
   backward: Callable  # (base, adapters, x, dy, grads) -> (dx, grads): recompute + backward of a group
   cast: Callable  # stacked base layers -> the same in the dtypes the base model runs them in
