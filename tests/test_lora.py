@@ -19,9 +19,10 @@ from sljax.lora.checkpoint import MergedWeights, RandomBase
 from sljax.lora.engine import LoraEngine, LoraEngineConfig, lora_flops_per_token
 from sljax.lora.model import LoraConfig, LoraModel, join_adapters, merge, split_adapters
 from sljax.footprint import GPU_MARGIN_BYTES, MARGIN, SCRATCH
-from sljax.lora.plan import STREAMED_IN_FLIGHT, plan_lora
+from sljax.lora.plan import STREAMED_IN_FLIGHT, held_layer_bytes, plan_lora
 from sljax.machines import GIB, H200, Budget
 from sljax.memory import HOST, InFlight
+from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
 from sljax.sizes import model_sizes
 
 from helpers import flat, make_batch, rel_error
@@ -34,10 +35,11 @@ TARGETS = {"llama": ("q_proj", "v_proj", "down_proj"), "opt": ()}  # some projec
 
 
 @functools.cache
-def _model(family: str, rank: int, dtype: str = "float32", num_layers: int | None = None) -> LoraModel:
+def _model(family: str, rank: int, dtype: str = "float32", num_layers: int | None = None,
+           base_bits: int = 0) -> LoraModel:
   shape = dict(SHAPES[family], num_layers=num_layers or SHAPES[family]["num_layers"])
   base = build(get_config("llama-tiny", dict(shape, dtype=dtype, remat=False)))
-  return LoraModel(base, LoraConfig(rank=rank, alpha=2.0 * rank, targets=TARGETS[family]))
+  return LoraModel(base, LoraConfig(rank=rank, alpha=2.0 * rank, targets=TARGETS[family], base_bits=base_bits))
 
 
 def _optimizer(name: str, clip: float):
@@ -123,6 +125,52 @@ def test_engine_lora_steps_equal_plain_lora_steps_and_leave_the_base_alone(case)
     assert kinds == ({"device"} if engine.resident[g] else {HOST})
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_steps_on_a_quantized_base_equal_plain_lora_steps_on_the_dequantized_base(bits):
+  """--base_bits: the base is quantized once as it loads (sljax.quant, a group at a time, resident and streamed
+  alike) and never changes; each step is the plain jax.grad step of the adapters on the dequantized base (fp32)."""
+  model, plain = _model("llama", rank=4, base_bits=bits), _model("llama", rank=4)
+  optimizer = _optimizer("adamw", 0.05)
+  params = model.base.init(jax.random.key(bits))
+  engine = LoraEngine(model, optimizer, LoraEngineConfig(sub_batches=4, live_layers=2, resident_layers=2))
+  engine.load_base(params)
+  base = engine.base_params()
+  want_base = quantize_layers(params["layers"], QuantConfig(bits=bits))  # generation's quantizer, all layers at once
+  jax.tree.map(np.testing.assert_array_equal, base["layers"], jax.tree.map(np.asarray, want_base))
+  assert {x.dtype for x in jax.tree.leaves(base["layers"]["q_proj"])} == {jnp.dtype(f"int{bits}"),
+                                                                          jnp.dtype("float16")}
+  dequantized = {"outer": base["outer"], "layers": dequantize_layers(base["layers"], jnp.float32)}
+  adapters = _random_adapters(model, dequantized["layers"], bits)
+  rng = np.random.default_rng(bits)
+  batches = [make_batch(rng, 8, 8) for _ in range(2)]
+  want_losses, want_adapters = _reference(plain, optimizer, dequantized, adapters, batches)
+  state, got_losses = engine.from_adapters(adapters), []
+  for batch in batches:
+    state, loss = engine.step(state, batch)
+    got_losses.append(float(loss))
+  np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+  assert rel_error(engine.adapters(state), want_adapters) <= 1e-5
+  assert abs(float(engine.eval_loss(state, batches[0])) - float(jax.jit(plain.loss)(
+      {"outer": base["outer"], "layers": join_adapters(dequantized["layers"], engine.adapters(state))},
+      batches[0]))) <= 1e-6 * want_losses[0]
+  jax.tree.map(np.testing.assert_array_equal, engine.base_params(), base)  # bit for bit
+  # The step ran on the codes: the same step on the unquantized base ends elsewhere.
+  assert rel_error(engine.adapters(state), _reference(plain, optimizer, params, adapters, batches)[1]) > 1e-3
+
+
+def test_a_plan_keeps_more_of_a_quantized_base_resident():
+  """The plan sizes a layer as the engine holds it (int4 codes and scales: a sixth of an fp32 layer here), so a
+  device too small for the whole fp32 base holds the whole int4 one."""
+  int4_model, fp32_model = (_model("llama", rank=2, num_layers=8, base_bits=bits) for bits in (4, 0))
+  roomy = plan_lora(fp32_model, 8, Budget(GIB, GIB), batch=4)
+  layer = roomy.device_bytes["resident base layers"] // 8
+  budget = Budget(sum(roomy.device_bytes.values()) - 4 * layer, GIB)
+  fp32, int4 = (plan_lora(model, 8, budget, batch=4) for model in (fp32_model, int4_model))
+  assert fp32.engine.resident_layers < 8 == int4.engine.resident_layers
+  assert int4.device_bytes["resident base layers"] == 8 * held_layer_bytes(int4_model) < 8 * layer / 6
+  assert "int4 codes with scales" in int4.describe() and "codes" not in fp32.describe()
+
+
 @pytest.mark.slow
 def test_base_has_no_master_copy_and_runs_in_the_compute_dtype():
   """bf16 compute: the base's kernels are held in bf16 (what the layers run in), vectors as stored; the adapters
@@ -192,7 +240,8 @@ def test_targets_name_the_adapted_projections():
       LoraModel(model.base, LoraConfig(targets=targets)).init_adapters(jax.random.key(0), layers)
 
 
-@pytest.mark.parametrize("field, value", [("rank", 0), ("alpha", float("nan")), ("alpha", -1.0)])
+@pytest.mark.parametrize("field, value", [("rank", 0), ("alpha", float("nan")), ("alpha", -1.0), ("base_bits", 16),
+                                          ("base_bits", 3)])
 def test_bad_lora_config_is_refused(field, value):
   with pytest.raises(ValueError, match=field):
     LoraConfig(**{field: value})

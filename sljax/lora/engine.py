@@ -9,7 +9,9 @@
   one optax update of every adapter at once, on the device
 
 The base has no master copy, no gradient and no optimizer state: it is held by the engine (`load_base` / `init_base`)
-in the dtypes its layers run in and never changes, so the state a step consumes and returns (and a checkpoint holds)
+in the dtypes its layers run in (with LoraConfig.base_bits, its kernels as int8 / int4 codes and scales, quantized
+once as each group is loaded and dequantized inside every call that runs the group: forward, recompute and input
+gradient; `held_base`) and never changes, so the state a step consumes and returns (and a checkpoint holds)
 is only the adapters, their optimizer state and the step count. Because the whole trainable state is on the device,
 the update is the optimizer's own over all adapters at once: any optax chain, global-norm clipping included, is
 exactly the plain step's.
@@ -29,6 +31,7 @@ from sljax.generate import layer_groups
 from sljax.lora.model import LoraModel, join_adapters, split_adapters
 from sljax.memory import InFlight, Placement, prefetch
 from sljax.mesh import check_batch
+from sljax.quant import QuantConfig, quantize_layers
 from sljax.schedule import check_training_batch
 from sljax.sizes import model_sizes
 
@@ -59,6 +62,15 @@ def lora_flops_per_token(model: LoraModel, seq_len: int, recomputed_layers: int)
           + attention * (passes + 2 * layers) + head)
 
 
+def held_base(model: LoraModel, stacked) -> dict:
+  """Base layer params as the engine holds them: each leaf in the dtype the base model runs it in and, with
+  base_bits, every kernel as group-wise codes and scales (sljax.quant's, QuantConfig's group size, as generation
+  compresses layers). jnp: jit it, or eval_shape it for the bytes."""
+  cast = jax.tree.map(lambda x, dtype: x.astype(dtype), stacked, layer_compute_dtypes(model.base, stacked))
+  bits = model.lora.base_bits
+  return quantize_layers(cast, QuantConfig(bits=bits)) if bits else cast
+
+
 class LoraEngine:
   """Fine-tunes the adapters of `model` (a LoraModel) layer-major with `optimizer`, on one device.
 
@@ -85,8 +97,6 @@ class LoraEngine:
       raise ValueError(f"LoRA fine-tuning runs on one device; the placement's mesh has {self.place.mesh.size}")
     self.groups, self.resident = layer_groups(num_layers, cfg.resident_layers, cfg.live_layers)
     self.base = None  # {"outer": on the device, "groups": [group g's base layers, on the device or pinned host]}
-    probe = jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), 1)))
-    self.base_dtypes = layer_compute_dtypes(model.base, probe)
     layers = lambda base, adapters, x: model.layers(join_adapters(base, adapters), x)
     self._embed = jax.jit(model.embed)
     self._forward = jax.jit(layers)
@@ -95,9 +105,8 @@ class LoraEngine:
     self._last_group_loss = jax.jit(self._last_group_loss_fn)
     self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))
     self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
-    self._cast = jax.jit(lambda stacked: jax.tree.map(lambda x, dtype: x.astype(dtype), stacked,
-                                                      layer_compute_dtypes(model.base, stacked)))
-    self._init_base_layers = jax.jit(lambda keys: self._cast(model.base.init_layers(keys)))
+    self._hold = jax.jit(lambda stacked: held_base(model, stacked))
+    self._init_base_layers = jax.jit(lambda keys: held_base(model, model.base.init_layers(keys)))
     self._init_outer = jax.jit(model.base.init_outer)
 
   # ---- jitted pieces -------------------------------------------------------------------------------------------
@@ -129,7 +138,7 @@ class LoraEngine:
   @property
   def calls(self) -> "LoraCalls":
     """The step's jitted calls that the plan sizes (compiled memory analysis, sljax.lora.plan)."""
-    return LoraCalls(last_group=self._last_group, backward=self._backward, cast=self._cast)
+    return LoraCalls(last_group=self._last_group, backward=self._backward, hold=self._hold)
 
   # ---- the frozen base -----------------------------------------------------------------------------------------
 
@@ -145,15 +154,18 @@ class LoraEngine:
 
   def load_base(self, params):
     """The base from full base-model params ({"outer", "layers"}, numpy or jax) or a reader with outer() and
-    layers(start, stop) (models.hf.HFWeights), read one group at a time straight to its home."""
+    layers(start, stop) (models.hf.HFWeights), read one group at a time straight to its home (a quantized base:
+    cast and quantized on the device a group at a time)."""
     reader = params_reader(params)
     cast = lambda tree: jax.tree.map(lambda x, dtype: np.asarray(x).astype(dtype, copy=False), tree,
                                      layer_compute_dtypes(self.model.base, tree))
+    hold = (lambda tree: self._hold(cast(tree))) if self.model.lora.base_bits else cast
     self.base = {"outer": self.place.to_device(jax.tree.map(np.asarray, reader.outer())),
-                 "groups": [self._home(g, cast(reader.layers(a, b))) for g, (a, b) in enumerate(self.groups)]}
+                 "groups": [self._home(g, hold(reader.layers(a, b))) for g, (a, b) in enumerate(self.groups)]}
 
   def base_params(self) -> dict:
-    """The base as full-model params, numpy (for tests and export)."""
+    """The base as full-model params as the engine holds it (a quantized base's kernels as codes and scales), numpy
+    (for tests and export)."""
     layers = [jax.tree.map(np.asarray, group) for group in self.base["groups"]]
     return {"outer": jax.tree.map(np.asarray, self.base["outer"]),
             "layers": jax.tree.map(lambda *xs: np.concatenate(xs), *layers)}
@@ -287,4 +299,4 @@ class LoraCalls(NamedTuple):
 
   last_group: Callable  # (base, adapters, outer, x, targets, weights, 1 / total weight, grads) -> (loss, dx, grads)
   backward: Callable  # (base, adapters, x, dy, grads) -> (dx, grads): recompute + backward of a group
-  cast: Callable  # stacked base layers -> the same in the dtypes the base model runs them in
+  hold: Callable  # stacked base layers -> the same as the engine holds them (held_base)

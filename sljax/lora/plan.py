@@ -9,7 +9,7 @@ import optax
 from sljax.footprint import (MARGIN, SCRATCH, SUB_BATCH_TOKENS, Footprint, Pass, compiled_peak, compute_bound,
                              machine_for, margin_bytes, pass_copy_seconds)
 from sljax.generate import layer_groups
-from sljax.lora.engine import LoraEngine, LoraEngineConfig
+from sljax.lora.engine import LoraEngine, LoraEngineConfig, held_base
 from sljax.lora.model import LoraModel, split_adapters
 from sljax.machines import GIB, Budget, Machine
 from sljax.memory import tree_bytes
@@ -32,6 +32,7 @@ class LoraPlan(NamedTuple):
   phases: dict[str, Pass]
   budget: Budget
   machine: Machine
+  base_bits: int = 0  # LoraConfig.base_bits: the resident and streamed base layers' kernels as codes and scales
 
   @property
   def footprint(self) -> Footprint:
@@ -51,11 +52,19 @@ class LoraPlan(NamedTuple):
     stash = "in pinned host" if e.activations_on_host else "on the device"
     return "\n".join([
         f"LoRA plan: batch {self.batch} as {e.sub_batches} sub-batches, {e.resident_layers} base layers resident "
-        f"(the rest stream), {e.live_layers} per group, activations {stash}",
+        f"(the rest stream), {e.live_layers} per group, activations {stash}"
+        + (f"; the base's kernels as int{self.base_bits} codes with scales" if self.base_bits else ""),
         *("  " + line for line in self.footprint.describe(self.budget)),
         "  " + "; ".join(f"{name}: compute {phase.compute_seconds:.2f} s, copies "
                          f"{pass_copy_seconds(self.machine, phase):.2f} s" for name, phase in self.phases.items())
         + f" ({'compute-bound' if self.compute_bound else 'transfer-bound'})"])
+
+
+def held_layer_bytes(model: LoraModel) -> int:
+  """Bytes of one base layer as the engine holds it (sljax.lora.engine.held_base: with base_bits, the kernels' codes
+  and scales), from the shapes of the model's params."""
+  shapes = jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), 1)))
+  return tree_bytes(jax.eval_shape(lambda stacked: held_base(model, stacked), shapes))
 
 
 def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, seq_len: int) -> int:
@@ -69,8 +78,8 @@ def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, 
     x = shape(rows, seq_len, model_sizes(model.base).hidden)
 
     def stacked(layers):
-      base = jax.eval_shape(lambda: step.cast(model.base.init_layers(jax.random.split(jax.random.key(0), layers))))
-      return base, jax.eval_shape(model.init_adapters, jax.random.key(0), base)
+      base = jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), layers)))
+      return jax.eval_shape(step.hold, base), jax.eval_shape(model.init_adapters, jax.random.key(0), base)
 
     base, adapters = stacked(last_layers)
     outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
@@ -99,7 +108,7 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
   peak_of = lambda rows: (gpu_peak_from_cpu if target and on_cpu else int)(
       _call_peak(model, live_layers, last_layers, rows, seq_len))
   optimizer = optimizer or optax.adamw(1e-4)
-  layers, layer = sizes.num_layers, sizes.layer_weight_bytes
+  layers, layer = sizes.num_layers, held_layer_bytes(model)
   adapters = split_adapters(jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), layers))))[1]
   outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
   fixed = {MARGIN: margin_bytes(target),
@@ -136,7 +145,7 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
       out = stash if on_host else 0
       phases = {"forward": Pass(forward, streamed * layer, out), "backward": Pass(2 * forward, streamed * layer + out, 0)}
       plans.append(LoraPlan(LoraEngineConfig(n, live_layers, resident, on_host), rows, device, host, phases, budget,
-                            machine))
+                            machine, model.lora.base_bits))
     return min(plans, key=lambda plan: plan.copy_seconds, default=None)
 
   per_call = max(1, SUB_BATCH_TOKENS // seq_len)  # rows per sub-batch call
