@@ -274,7 +274,8 @@ def prepare(request: Request) -> Job:
   if request.lora is not None:
     lora = request.lora
     print(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, adapters on {', '.join(lora.targets) or 'every projection'} "
-          f"of each layer; the frozen base: {describe_base(lora_meta(request, configs)['base'])}")
+          f"of each layer; the frozen base: {describe_base(lora_meta(request, configs)['base'])}"
+          + (f", its kernels as int{lora.base_bits} codes with scales" if lora.base_bits else ""))
   return Job(request, configs, engine_cfg, mesh, source)
 
 
