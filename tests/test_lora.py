@@ -83,8 +83,9 @@ SCHEDULES = [("llama", 4, 2), ("opt", 2, 1), ("llama", 1, 1)]
 def cases(draw):
   family, sub_batches, live_layers = draw(st.sampled_from(SCHEDULES))
   layers = SHAPES[family]["num_layers"]
-  cfg = LoraEngineConfig(sub_batches=sub_batches, live_layers=live_layers,
-                         resident_layers=draw(st.integers(0, layers)), activations_on_host=draw(st.booleans()))
+  resident = draw(st.integers(0, layers))
+  cfg = LoraEngineConfig(sub_batches=sub_batches, live_layers=live_layers, resident_layers=resident,
+                         activations_on_host=draw(st.booleans()), tail_layers=draw(st.sampled_from([0, min(2, resident)])))
   return family, cfg, draw(st.sampled_from(["sgd", "adamw"])), draw(st.sampled_from([0.0, 0.05])), draw(
       st.integers(0, 2**16))
 
@@ -125,14 +126,16 @@ def test_engine_lora_steps_equal_plain_lora_steps_and_leave_the_base_alone(case)
     assert kinds == ({"device"} if engine.resident[g] else {HOST})
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_steps_on_a_quantized_base_equal_plain_lora_steps_on_the_dequantized_base(bits):
+@pytest.mark.parametrize("bits, cfg", [(4, LoraEngineConfig(sub_batches=4, live_layers=2, resident_layers=2)),
+                                       (8, LoraEngineConfig(sub_batches=2, resident_layers=3, tail_layers=2))])
+def test_steps_on_a_quantized_base_equal_plain_lora_steps_on_the_dequantized_base(bits, cfg):
   """--base_bits: the base is quantized once as it loads (sljax.quant, a group at a time, resident and streamed
-  alike) and never changes; each step is the plain jax.grad step of the adapters on the dequantized base (fp32)."""
+  alike) and never changes; each step is the plain jax.grad step of the adapters on the dequantized base (fp32),
+  with a residual-keeping tail too."""
   model, plain = _model("llama", rank=4, base_bits=bits), _model("llama", rank=4)
   optimizer = _optimizer("adamw", 0.05)
   params = model.base.init(jax.random.key(bits))
-  engine = LoraEngine(model, optimizer, LoraEngineConfig(sub_batches=4, live_layers=2, resident_layers=2))
+  engine = LoraEngine(model, optimizer, cfg)
   engine.load_base(params)
   base = engine.base_params()
   want_base = quantize_layers(params["layers"], QuantConfig(bits=bits))  # generation's quantizer, all layers at once
@@ -162,13 +165,31 @@ def test_a_plan_keeps_more_of_a_quantized_base_resident():
   """The plan sizes a layer as the engine holds it (int4 codes and scales: a sixth of an fp32 layer here), so a
   device too small for the whole fp32 base holds the whole int4 one."""
   int4_model, fp32_model = (_model("llama", rank=2, num_layers=8, base_bits=bits) for bits in (4, 0))
-  roomy = plan_lora(fp32_model, 8, Budget(GIB, GIB), batch=4)
+  roomy = plan_lora(fp32_model, 8, Budget(GIB, GIB), batch=4, tail_layers=0)
   layer = roomy.device_bytes["resident base layers"] // 8
   budget = Budget(sum(roomy.device_bytes.values()) - 4 * layer, GIB)
-  fp32, int4 = (plan_lora(model, 8, budget, batch=4) for model in (fp32_model, int4_model))
+  fp32, int4 = (plan_lora(model, 8, budget, batch=4, tail_layers=0) for model in (fp32_model, int4_model))
   assert fp32.engine.resident_layers < 8 == int4.engine.resident_layers
   assert int4.device_bytes["resident base layers"] == 8 * held_layer_bytes(int4_model) < 8 * layer / 6
   assert "int4 codes with scales" in int4.describe() and "codes" not in fp32.describe()
+
+
+def test_a_plan_with_the_whole_base_resident_keeps_residuals_in_the_longest_tail_that_fits():
+  """Device memory left once the whole base is resident goes to a tail whose layers are not recomputed: all of them
+  where it holds them (no stash, a backward of input gradients alone), else as many as fit, not one more."""
+  model = _model("llama", rank=2, num_layers=8)
+  none = plan_lora(model, 8, Budget(GIB, GIB), batch=4, tail_layers=0)
+  whole = plan_lora(model, 8, Budget(GIB, GIB), batch=4)
+  assert none.last_layers == 1 and whole.engine.tail_layers == whole.last_layers == 8
+  assert whole.device_bytes["stashed activations"] == 0
+  assert whole.phases["backward"].compute_seconds == pytest.approx(none.phases["forward"].compute_seconds)
+  assert none.phases["backward"].compute_seconds == pytest.approx(none.phases["forward"].compute_seconds * 15 / 8)
+  budget = Budget((none.footprint.device_bytes + whole.footprint.device_bytes) // 2, GIB)
+  part = plan_lora(model, 8, budget, batch=4)
+  assert 1 < part.engine.tail_layers < 8 and part.engine.resident_layers == 8 and part.footprint.fits(budget)
+  assert "the last {} layers one group that keeps its residuals".format(part.engine.tail_layers) in part.describe()
+  with pytest.raises(ValueError, match=f"with a tail of {part.engine.tail_layers + 1} layers"):
+    plan_lora(model, 8, budget, batch=4, tail_layers=part.engine.tail_layers + 1)
 
 
 @pytest.mark.slow
@@ -336,11 +357,11 @@ def test_in_flight_waits_for_the_output_limit_calls_back_unless_donated_since():
 
 def test_plan_streams_what_the_device_cannot_hold_and_its_engine_runs():
   model = _model("llama", rank=2, num_layers=8)
-  roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4)
+  roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, tail_layers=0)
   assert roomy.engine.resident_layers == 8 and not roomy.engine.activations_on_host
   layer = roomy.device_bytes["resident base layers"] // 8
   tight = plan_lora(model, 8, Budget(device_bytes=sum(roomy.device_bytes.values()) - 2 * layer, host_bytes=GIB),
-                    batch=4)
+                    batch=4, tail_layers=0)
   # Two layers short: three streamed groups are on the device at once (STREAMED_IN_FLIGHT), so five stream, less the
   # layers the stash makes room for where the plan sends it to pinned host memory: here it does, as its copy out
   # overlaps the streamed layers' copies in (sljax.footprint.copy_seconds) and costs less than one more streamed layer.
@@ -370,8 +391,8 @@ def test_a_plan_for_a_gpu_keeps_its_margin_and_corrects_the_cpu_compiled_peak(mo
   """--target on a CPU: the GPU's rates, GPU_MARGIN_BYTES unplanned, the calls' peak through gpu_peak_from_cpu."""
   monkeypatch.setattr(sljax.lora.plan, "gpu_peak_from_cpu", lambda cpu_peak: 3 * cpu_peak)
   model = _model("llama", rank=2)
-  here = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4)
-  there = plan_lora(model, 8, Budget(device_bytes=8 * GIB, host_bytes=GIB), batch=4, target=H200)
+  here = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, tail_layers=0)
+  there = plan_lora(model, 8, Budget(device_bytes=8 * GIB, host_bytes=GIB), batch=4, target=H200, tail_layers=0)
   assert here.device_bytes[MARGIN] == 0
   assert there.device_bytes[MARGIN] == GPU_MARGIN_BYTES
   assert there.device_bytes[SCRATCH] == 3 * here.device_bytes[SCRATCH]
@@ -387,7 +408,7 @@ def test_live_bytes_after_every_dispatch_stay_within_the_plan(layers_short):
   its plan says (less the compiled calls' scratch, which no live array shows): everything on the device, and a
   device layers_short layers too small, so that part of the base streams from host memory."""
   model = _model("llama", rank=2, num_layers=8)
-  roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, sub_batches=2)
+  roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, sub_batches=2, tail_layers=0)
   layer = roomy.device_bytes["resident base layers"] // 8
   plan = plan_lora(model, 8, Budget(sum(roomy.device_bytes.values()) - layers_short * layer, GIB), batch=4,
                    sub_batches=2)

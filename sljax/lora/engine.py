@@ -3,7 +3,8 @@
   embed every sub-batch                           (the frozen embeddings and head stay on the device)
   for each group g but the last: base W_g on the device (resident, or fetched from pinned host one group ahead);
       stash h[g][s]; every sub-batch through W_g + its adapters -> h[g+1][s]
-  last group: forward + head + backward per sub-batch, residuals kept -> dh, the group's adapter gradient
+  last group: forward + head + backward per sub-batch, residuals kept -> dh, the group's adapter gradient (a longer
+      resident tail, `tail_layers`, keeps more layers' residuals: they are not recomputed)
   for each group g, last-but-one down to 0: W_g again (a streamed group crosses PCIe a second time); the stashed
       inputs back; recompute + backward of every sub-batch: input gradients and adapter gradients, none for the base
   one optax update of every adapter at once, on the device
@@ -42,6 +43,10 @@ class LoraEngineConfig:
   live_layers: int = 1  # layers per group
   resident_layers: int = 0  # base layers that stay on the device (spread among the streamed ones); the rest stream
   activations_on_host: bool = True  # stash group-boundary hidden states in pinned host memory for the backward
+  # > 0: the last group is the last tail_layers layers, resident (counted in resident_layers): one call per sub-batch
+  # runs their forward, the head and their backward, keeping their residuals instead of recomputing them. 0: the last
+  # group is as long as the others.
+  tail_layers: int = 0
 
 
 def lora_flops_per_token(model: LoraModel, seq_len: int, recomputed_layers: int) -> float:
@@ -71,6 +76,14 @@ def held_base(model: LoraModel, stacked) -> dict:
   return quantize_layers(cast, QuantConfig(bits=bits)) if bits else cast
 
 
+def lora_groups(num_layers: int, cfg: LoraEngineConfig) -> tuple[list[tuple[int, int]], list[bool]]:
+  """([start, stop) of each group, whether it is resident): sljax.generate.layer_groups of the layers before the
+  tail, then the tail as one resident group."""
+  head = num_layers - cfg.tail_layers
+  groups, resident = layer_groups(head, cfg.resident_layers - cfg.tail_layers, cfg.live_layers)
+  return groups + [(head, num_layers)] * bool(cfg.tail_layers), resident + [True] * bool(cfg.tail_layers)
+
+
 class LoraEngine:
   """Fine-tunes the adapters of `model` (a LoraModel) layer-major with `optimizer`, on one device.
 
@@ -91,11 +104,14 @@ class LoraEngine:
       raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
     if not 0 <= cfg.resident_layers <= num_layers:
       raise ValueError(f"resident_layers must be in 0..{num_layers}, got {cfg.resident_layers}")
+    if not 0 <= cfg.tail_layers <= cfg.resident_layers:
+      raise ValueError(f"tail_layers must be in 0..resident_layers ({cfg.resident_layers}): the tail stays on the "
+                       f"device; got {cfg.tail_layers}")
     self.model, self.optimizer, self.cfg = model, optimizer, cfg
     self.place = placement or Placement.single()
     if self.place.mesh.size != 1:
       raise ValueError(f"LoRA fine-tuning runs on one device; the placement's mesh has {self.place.mesh.size}")
-    self.groups, self.resident = layer_groups(num_layers, cfg.resident_layers, cfg.live_layers)
+    self.groups, self.resident = lora_groups(num_layers, cfg)
     self.base = None  # {"outer": on the device, "groups": [group g's base layers, on the device or pinned host]}
     layers = lambda base, adapters, x: model.layers(join_adapters(base, adapters), x)
     self._embed = jax.jit(model.embed)
