@@ -85,7 +85,8 @@ def cases(draw):
   layers = SHAPES[family]["num_layers"]
   resident = draw(st.integers(0, layers))
   cfg = LoraEngineConfig(sub_batches=sub_batches, live_layers=live_layers, resident_layers=resident,
-                         activations_on_host=draw(st.booleans()), tail_layers=draw(st.sampled_from([0, min(2, resident)])))
+                         activations_on_host=draw(st.booleans()),
+                         tail_layers=draw(st.sampled_from([0, min(2, resident)])))
   return family, cfg, draw(st.sampled_from(["sgd", "adamw"])), draw(st.sampled_from([0.0, 0.05])), draw(
       st.integers(0, 2**16))
 

@@ -107,9 +107,9 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
   """How the engine runs on one device: sub-batches of about SUB_BATCH_TOKENS tokens; the group-boundary
   activations on the device when everything fits there, else in pinned host memory; as many base layers resident as
   the device holds beside the adapters' state, the activations and the compiled calls' peak (the rest stream from
-  pinned host); and (batch 0) the fewest rows whose passes are compute-bound with a margin, else the most that fit. Then,
-  where the whole base stays on the device, a tail (LoraEngineConfig.tail_layers; tail_layers: that one, 0 none) as
-  long as the memory left holds: its layers keep their residuals instead of being recomputed.
+  pinned host); and (batch 0) the fewest rows whose passes are compute-bound with a margin, else the most that fit.
+  Then, where the whole base stays on the device, a tail (LoraEngineConfig.tail_layers; tail_layers: that one, 0
+  none) as long as the memory left holds: its layers keep their residuals instead of being recomputed.
   target: plan for one GPU of that machine (its rates; made on a CPU, the calls' compiled peak corrected by
   sljax.plan.gpu_peak_from_cpu, an estimate) instead of for this process's device. ValueError when nothing fits."""
   sizes = model_sizes(model.base)
