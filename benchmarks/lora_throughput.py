@@ -4,6 +4,7 @@ state through the project's checkpointer, and the step after each compared.
 
   python -m benchmarks.lora_throughput --models=llama70b,llama13b --out=benchmarks/results/lora_llama70b_h200.json
   python -m benchmarks.lora_throughput --smoke --out=/tmp/lora_smoke.json   # tiny shapes, any machine
+  python -m benchmarks.lora_throughput --models=llama70b --base_bits=4 --out=...  # QLoRA: the int4 base resident
 
 Per model: the plan (sljax.lora.plan.plan_lora) for --seq_len; the base made one group at a time straight into its
 place; one warm-up step (it compiles), --steps timed steps. Recorded: tokens/s; mfu and hfu = tokens/s x FLOPs per
@@ -41,6 +42,8 @@ flags.DEFINE_list("models", ["llama70b", "llama13b"], "Presets to fine-tune, one
 flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 flags.DEFINE_integer("batch", 0, "Rows per step (0: the plan's).")
 flags.DEFINE_integer("lora_rank", 16, "Adapter rank.")
+flags.DEFINE_integer("base_bits", 0, "The frozen base's kernels as 8- or 4-bit codes with scales, as train.py "
+                     "--base_bits (0: in the compute dtype).")
 flags.DEFINE_integer("steps", 3, "Timed steps after the warm-up step.")
 flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plan may use (and XLA's pinned pool, as train.py's "
                    "--host_memory_gib sets it).")
@@ -55,7 +58,8 @@ def device_peak_bytes():
 
 
 def run(name: str, budget: Budget, overrides: dict) -> dict:
-  model = LoraModel(build(get_config(name, overrides)), LoraConfig(rank=FLAGS.lora_rank, alpha=2.0 * FLAGS.lora_rank))
+  model = LoraModel(build(get_config(name, overrides)), LoraConfig(rank=FLAGS.lora_rank, alpha=2.0 * FLAGS.lora_rank,
+                                                                    base_bits=FLAGS.base_bits))
   seq = FLAGS.seq_len
   optimizer = optax.adamw(1e-4, weight_decay=0.0)
   start = time.perf_counter()
@@ -89,7 +93,7 @@ def run(name: str, budget: Budget, overrides: dict) -> dict:
   copy_s = (moved["host_to_device"] / machine.copy_bytes_per_s
             + moved["device_to_host"] / machine.copy_to_host_bytes_per_s)
   result = {
-      "model": name, "lora_rank": FLAGS.lora_rank, "seq_len": seq, "batch": plan.batch,
+      "model": name, "lora_rank": FLAGS.lora_rank, "base_bits": FLAGS.base_bits, "seq_len": seq, "batch": plan.batch,
       "plan": dataclasses.asdict(plan.engine), "plan_device_bytes": plan.device_bytes,
       "plan_host_bytes": plan.host_bytes, "plan_compute_bound": plan.compute_bound,
       "plan_seconds": {name: {"compute": phase.compute_seconds, "copies": pass_copy_seconds(plan.machine, phase)}
@@ -144,7 +148,7 @@ def main(argv):
                      dtype="float32")
     # A device budget two layers short of the whole base (with everything else the plan counts): part of it streams.
     roomy = plan_lora(LoraModel(build(get_config("llama-tiny", overrides)), LoraConfig(rank=4, alpha=8.0)), 16,
-                      Budget(GIB, GIB), batch=4)
+                      Budget(GIB, GIB), batch=4, tail_layers=0)
     layer = roomy.device_bytes["resident base layers"] // 8
     FLAGS.batch = 4
     results.append(run("llama-tiny", Budget(sum(roomy.device_bytes.values()) - 2 * layer, GIB), overrides))

@@ -214,14 +214,14 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
 
 def check_lora_request(launch: LaunchConfig):
   """ValueError when a flag of LaunchConfig asks for what the LoRA engine does not do."""
-  asked = [f"--{name}" for name in ("tail_layers", "int8_exchange") if getattr(launch, name)]
+  asked = [f"--{name}" for name in ("int8_exchange",) if getattr(launch, name)]
   asked += [f"--parked_grads_dtype={launch.parked_grads_dtype}"] * (launch.parked_grads_dtype != "float32")
   asked += [f"--engine={launch.engine}"] * (launch.engine != "auto")
   asked += [f"--mesh={launch.mesh}"] * (math.prod(parse_mesh(launch.mesh).values()) > 1 if launch.mesh else False)
   if asked:
     raise ValueError(f"{' and '.join(asked)} shape full training; --lora_rank fine-tunes on one device through the "
-                     f"LoRA engine, whose plan places the frozen base (--sub_batches, --live_layers and the memory "
-                     f"budgets apply)")
+                     f"LoRA engine, whose plan places the frozen base (--sub_batches, --live_layers, --tail_layers "
+                     f"and the memory budgets apply)")
 
 
 def choose_lora_engine(request: Request, configs: Configs) -> tuple:
@@ -235,7 +235,7 @@ def choose_lora_engine(request: Request, configs: Configs) -> tuple:
   plan = plan_lora(LoraModel(build(model_cfg), request.lora), data_cfg.seq_len,
                    plan_budget(launch, jax.devices()[0], target), batch=0 if planned else data_cfg.batch_size,
                    sub_batches=launch.sub_batches, live_layers=launch.live_layers or 1,
-                   optimizer=make_optimizer(configs.optim), target=target)
+                   optimizer=make_optimizer(configs.optim), target=target, tail_layers=launch.tail_layers or None)
   if planned:
     data_cfg = dataclasses.replace(data_cfg, batch_size=plan.batch)
     why = "the fewest rows whose passes are compute-bound" if plan.compute_bound else "the most rows that fit"
@@ -279,7 +279,8 @@ def prepare(request: Request) -> Job:
   if request.lora is not None:
     lora = request.lora
     print(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, adapters on {', '.join(lora.targets) or 'every projection'} "
-          f"of each layer; the frozen base: {describe_base(lora_meta(request, configs)['base'])}")
+          f"of each layer; the frozen base: {describe_base(lora_meta(request, configs)['base'])}"
+          + (f", its kernels as int{lora.base_bits} codes with scales" if lora.base_bits else ""))
   return Job(request, configs, engine_cfg, mesh, source)
 
 

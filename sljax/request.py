@@ -42,8 +42,8 @@ class LaunchConfig:
   engine: typing.Literal["auto", "device", "offload"] = "auto"
   sub_batches: int = 0  # offload engine: sub-batches per step (0: the plan chooses)
   live_layers: int = 0  # offload engine: layers per group fetched to the device at once (0: plan)
-  # offload engine: layers in the last group, which keep their residuals instead of being recomputed (0: the plan
-  # chooses; equal to --live_layers: no longer tail than the other groups)
+  # offload and LoRA engines: layers in the last group, which keep their residuals instead of being recomputed (0:
+  # the plan chooses; equal to --live_layers: no longer tail than the other groups; LoRA: the whole base resident)
   tail_layers: int = 0
   int8_exchange: bool = False  # offload engine: stash hidden states in host memory as int8 rows (inexact)
   # offload engine, with clipping: the dtype gradients wait in for the global norm (bfloat16: half the memory,

@@ -60,8 +60,10 @@ def check_lora_resume(workdir: str, lora: dict):
   if saved is None:
     raise ValueError(f"checkpoint {step_dir} holds a full training run's state, not LoRA adapters: use another "
                      f"--workdir")
+  saved = {"base_bits": 0, **saved}  # written before the base could be quantized
   describe = {"base": describe_base, "rank": str, "alpha": lambda alpha: f"{alpha:g}",
-              "targets": lambda names: ",".join(names) or "every projection"}
+              "targets": lambda names: ",".join(names) or "every projection",
+              "base_bits": lambda bits: f"int{bits}" if bits else "unquantized"}
   changed = [f"{name} {show(saved.get(name))} saved, {show(lora[name])} asked" for name, show in describe.items()
              if saved.get(name) != lora[name]]
   if changed:

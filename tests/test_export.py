@@ -113,20 +113,25 @@ LORA = ["--set=dtype=float32", "--warmup_steps=1", "--checkpoint_every=2", "--le
 def test_a_lora_run_exports_through_the_command_line_with_the_lora_models_logits(tmp_path):
   """A LoRA run on a random base, exported by `python -m sljax.export`: its adapters merged into the base give
   transformers the logits of the LoRA model (the adapters applied unmerged); a second export into the same --out is
-  one `sljax:` line and writes nothing."""
+  one `sljax:` line and writes nothing. The run trains on an int4 base (--base_bits=4), which its checkpoint
+  records; the adapters merge into the base unquantized, as any run's (tests/test_lora_cli.py exports one trained on
+  a Hugging Face base as it is)."""
   pytest.importorskip("torch")
-  train_in_process(tmp_path / "run", ONE_DEVICE, "--steps=2", *LORA)
+  train_in_process(tmp_path / "run", ONE_DEVICE, "--steps=2", *LORA, "--base_bits=4")
   command = [sys.executable, "-m", "sljax.export", f"--checkpoint={tmp_path / 'run'}", f"--out={tmp_path / 'hf'}",
              "--shard_gib=1e-9"]
   done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr
   assert done.stdout.strip() == f"wrote {tmp_path / 'hf'}: llama, 2 layers, 0.1 M params, float32", done.stdout
   checkpoint = open_checkpoint(str(tmp_path / "run"))
+  assert checkpoint.meta["lora"]["base_bits"] == 4 and checkpoint.lora.base_bits == 4
   cfg = ModelConfig(**checkpoint.meta["model_config"])
   assert len(shard_files(tmp_path / "hf")) == cfg.num_layers + 1
-  base = RandomBase(build(cfg), random_base_key(checkpoint.base["random_seed"]))
+  base = RandomBase(build(cfg), random_base_key(checkpoint.base["random_seed"]))  # unquantized, fp32
   model = LoraModel(build(cfg), checkpoint.lora)
-  outer, layers = base.outer(), join_adapters(base.layers(0, cfg.num_layers), read_adapters(checkpoint))
+  adapters = read_adapters(checkpoint)
+  assert np.abs(adapters["q_proj"]["lora_b"]).max() > 1e-3  # trained: the merge moves the kernels
+  outer, layers = base.outer(), join_adapters(base.layers(0, cfg.num_layers), adapters)
   tokens_BxS = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
   want_BxSxV = model.logits(outer, model.layers(layers, model.embed(outer, jnp.asarray(tokens_BxS, jnp.int32))))
   np.testing.assert_allclose(transformers_logits(tmp_path / "hf", tokens_BxS), want_BxSxV, rtol=0, atol=1e-4)

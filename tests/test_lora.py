@@ -19,12 +19,13 @@ from sljax.lora.checkpoint import MergedWeights, RandomBase
 from sljax.lora.engine import LoraEngine, LoraEngineConfig, lora_flops_per_token
 from sljax.lora.model import LoraConfig, LoraModel, join_adapters, merge, split_adapters
 from sljax.footprint import GPU_MARGIN_BYTES, MARGIN, SCRATCH
-from sljax.lora.plan import STREAMED_IN_FLIGHT, plan_lora
+from sljax.lora.plan import STREAMED_IN_FLIGHT, held_layer_bytes, plan_lora
 from sljax.machines import GIB, H200, Budget
 from sljax.memory import HOST, InFlight
+from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
 from sljax.sizes import model_sizes
 
-from helpers import flat, make_batch, rel_error
+from helpers import benchmark_smoke, flat, has_provenance, make_batch, rel_error
 
 SHAPES = {  # few shapes, so examples reuse compiled calls; values, placement, rank scale and optimizer vary freely
     "llama": dict(family="llama", num_heads=4, num_kv_heads=2, hidden_size=32, intermediate_size=40, num_layers=4),
@@ -34,10 +35,11 @@ TARGETS = {"llama": ("q_proj", "v_proj", "down_proj"), "opt": ()}  # some projec
 
 
 @functools.cache
-def _model(family: str, rank: int, dtype: str = "float32", num_layers: int | None = None) -> LoraModel:
+def _model(family: str, rank: int, dtype: str = "float32", num_layers: int | None = None,
+           base_bits: int = 0) -> LoraModel:
   shape = dict(SHAPES[family], num_layers=num_layers or SHAPES[family]["num_layers"])
   base = build(get_config("llama-tiny", dict(shape, dtype=dtype, remat=False)))
-  return LoraModel(base, LoraConfig(rank=rank, alpha=2.0 * rank, targets=TARGETS[family]))
+  return LoraModel(base, LoraConfig(rank=rank, alpha=2.0 * rank, targets=TARGETS[family], base_bits=base_bits))
 
 
 def _optimizer(name: str, clip: float):
@@ -81,8 +83,10 @@ SCHEDULES = [("llama", 4, 2), ("opt", 2, 1), ("llama", 1, 1)]
 def cases(draw):
   family, sub_batches, live_layers = draw(st.sampled_from(SCHEDULES))
   layers = SHAPES[family]["num_layers"]
-  cfg = LoraEngineConfig(sub_batches=sub_batches, live_layers=live_layers,
-                         resident_layers=draw(st.integers(0, layers)), activations_on_host=draw(st.booleans()))
+  resident = draw(st.integers(0, layers))
+  cfg = LoraEngineConfig(sub_batches=sub_batches, live_layers=live_layers, resident_layers=resident,
+                         activations_on_host=draw(st.booleans()),
+                         tail_layers=draw(st.sampled_from([0, min(2, resident)])))
   return family, cfg, draw(st.sampled_from(["sgd", "adamw"])), draw(st.sampled_from([0.0, 0.05])), draw(
       st.integers(0, 2**16))
 
@@ -121,6 +125,87 @@ def test_engine_lora_steps_equal_plain_lora_steps_and_leave_the_base_alone(case)
   for g, group in enumerate(engine.base["groups"]):
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(group)}
     assert kinds == ({"device"} if engine.resident[g] else {HOST})
+
+
+@pytest.mark.parametrize("bits, cfg", [(4, LoraEngineConfig(sub_batches=4, live_layers=2, resident_layers=2)),
+                                       (8, LoraEngineConfig(sub_batches=2, resident_layers=3, tail_layers=2))])
+def test_steps_on_a_quantized_base_equal_plain_lora_steps_on_the_dequantized_base(bits, cfg):
+  """--base_bits: the base is quantized once as it loads (sljax.quant, a group at a time, resident and streamed
+  alike) and never changes; each step is the plain jax.grad step of the adapters on the dequantized base (fp32),
+  with a residual-keeping tail too."""
+  model, plain = _model("llama", rank=4, base_bits=bits), _model("llama", rank=4)
+  optimizer = _optimizer("adamw", 0.05)
+  params = model.base.init(jax.random.key(bits))
+  engine = LoraEngine(model, optimizer, cfg)
+  engine.load_base(params)
+  base = engine.base_params()
+  want_base = quantize_layers(params["layers"], QuantConfig(bits=bits))  # generation's quantizer, all layers at once
+  jax.tree.map(np.testing.assert_array_equal, base["layers"], jax.tree.map(np.asarray, want_base))
+  assert {x.dtype for x in jax.tree.leaves(base["layers"]["q_proj"])} == {jnp.dtype(f"int{bits}"),
+                                                                          jnp.dtype("float16")}
+  dequantized = {"outer": base["outer"], "layers": dequantize_layers(base["layers"], jnp.float32)}
+  adapters = _random_adapters(model, dequantized["layers"], bits)
+  rng = np.random.default_rng(bits)
+  batches = [make_batch(rng, 8, 8) for _ in range(2)]
+  want_losses, want_adapters = _reference(plain, optimizer, dequantized, adapters, batches)
+  state, got_losses = engine.from_adapters(adapters), []
+  for batch in batches:
+    state, loss = engine.step(state, batch)
+    got_losses.append(float(loss))
+  np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+  assert rel_error(engine.adapters(state), want_adapters) <= 1e-5
+  assert abs(float(engine.eval_loss(state, batches[0])) - float(jax.jit(plain.loss)(
+      {"outer": base["outer"], "layers": join_adapters(dequantized["layers"], engine.adapters(state))},
+      batches[0]))) <= 1e-6 * want_losses[0]
+  jax.tree.map(np.testing.assert_array_equal, engine.base_params(), base)  # bit for bit
+  # The step ran on the codes: the same step on the unquantized base ends elsewhere.
+  assert rel_error(engine.adapters(state), _reference(plain, optimizer, params, adapters, batches)[1]) > 1e-3
+
+
+def test_a_plan_keeps_more_of_a_quantized_base_resident():
+  """The plan sizes a layer as the engine holds it (int4 codes and scales: a sixth of an fp32 layer here), so a
+  device too small for the whole fp32 base holds the whole int4 one."""
+  int4_model, fp32_model = (_model("llama", rank=2, num_layers=8, base_bits=bits) for bits in (4, 0))
+  roomy = plan_lora(fp32_model, 8, Budget(GIB, GIB), batch=4, tail_layers=0)
+  layer = roomy.device_bytes["resident base layers"] // 8
+  budget = Budget(sum(roomy.device_bytes.values()) - 4 * layer, GIB)
+  fp32, int4 = (plan_lora(model, 8, budget, batch=4, tail_layers=0) for model in (fp32_model, int4_model))
+  assert fp32.engine.resident_layers < 8 == int4.engine.resident_layers
+  assert int4.device_bytes["resident base layers"] == 8 * held_layer_bytes(int4_model) < 8 * layer / 6
+  assert "int4 codes with scales" in int4.describe() and "codes" not in fp32.describe()
+
+
+def test_a_plan_with_the_whole_base_resident_keeps_residuals_in_the_longest_tail_that_fits():
+  """Device memory left once the whole base is resident goes to a tail whose layers are not recomputed: all of them
+  where it holds them (no stash, a backward of input gradients alone), else as many as fit, not one more."""
+  model = _model("llama", rank=2, num_layers=8)
+  none = plan_lora(model, 8, Budget(GIB, GIB), batch=4, tail_layers=0)
+  whole = plan_lora(model, 8, Budget(GIB, GIB), batch=4)
+  assert none.last_layers == 1 and whole.engine.tail_layers == whole.last_layers == 8
+  assert whole.device_bytes["stashed activations"] == 0
+  assert whole.phases["backward"].compute_seconds == pytest.approx(none.phases["forward"].compute_seconds)
+  assert none.phases["backward"].compute_seconds == pytest.approx(none.phases["forward"].compute_seconds * 15 / 8)
+  budget = Budget((none.footprint.device_bytes + whole.footprint.device_bytes) // 2, GIB)
+  part = plan_lora(model, 8, budget, batch=4)
+  assert 1 < part.engine.tail_layers < 8 and part.engine.resident_layers == 8 and part.footprint.fits(budget)
+  assert "the last {} layers one group that keeps its residuals".format(part.engine.tail_layers) in part.describe()
+  with pytest.raises(ValueError, match=f"with a tail of {part.engine.tail_layers + 1} layers"):
+    plan_lora(model, 8, budget, batch=4, tail_layers=part.engine.tail_layers + 1)
+
+
+@pytest.mark.slow
+def test_lora_on_an_int4_base_fine_tunes_as_on_the_bf16_one(tmp_path):
+  """benchmarks/qlora_quality.py's smoke: a tiny model pretrained 30 steps, then LoRA fine-tuned 10 steps on its bf16
+  base and on the same base in int4, from the same adapters on the same batches. The int4 base is another model (its
+  held-out loss differs before fine-tuning) whose fine-tuned held-out loss stays within 0.02 of the bf16 one's (it
+  differs by ~1e-4; a base quantized to garbage would lose the 2 nats the pretraining gained)."""
+  result = benchmark_smoke("qlora_quality", tmp_path)
+  assert has_provenance(result, "qlora_quality")
+  pretrain, (bf16, int4) = result["pretrain"], (result["runs"][name] for name in ("bfloat16", "int4"))
+  assert pretrain["train_loss_last_step"] < pretrain["train_loss_first"] - 2
+  assert all(run["train_loss_last_step"] < run["train_loss_first"] - 0.1 for run in (bf16, int4))
+  assert bf16["held_out_loss_before"] != int4["held_out_loss_before"]
+  assert abs(result["quantized_minus_unquantized"]["held_out_loss"]) < 0.02, result["quantized_minus_unquantized"]
 
 
 @pytest.mark.slow
@@ -192,7 +277,8 @@ def test_targets_name_the_adapted_projections():
       LoraModel(model.base, LoraConfig(targets=targets)).init_adapters(jax.random.key(0), layers)
 
 
-@pytest.mark.parametrize("field, value", [("rank", 0), ("alpha", float("nan")), ("alpha", -1.0)])
+@pytest.mark.parametrize("field, value", [("rank", 0), ("alpha", float("nan")), ("alpha", -1.0), ("base_bits", 16),
+                                          ("base_bits", 3)])
 def test_bad_lora_config_is_refused(field, value):
   with pytest.raises(ValueError, match=field):
     LoraConfig(**{field: value})
@@ -272,11 +358,11 @@ def test_in_flight_waits_for_the_output_limit_calls_back_unless_donated_since():
 
 def test_plan_streams_what_the_device_cannot_hold_and_its_engine_runs():
   model = _model("llama", rank=2, num_layers=8)
-  roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4)
+  roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, tail_layers=0)
   assert roomy.engine.resident_layers == 8 and not roomy.engine.activations_on_host
   layer = roomy.device_bytes["resident base layers"] // 8
   tight = plan_lora(model, 8, Budget(device_bytes=sum(roomy.device_bytes.values()) - 2 * layer, host_bytes=GIB),
-                    batch=4)
+                    batch=4, tail_layers=0)
   # Two layers short: three streamed groups are on the device at once (STREAMED_IN_FLIGHT), so five stream, less the
   # layers the stash makes room for where the plan sends it to pinned host memory: here it does, as its copy out
   # overlaps the streamed layers' copies in (sljax.footprint.copy_seconds) and costs less than one more streamed layer.
@@ -321,7 +407,7 @@ def test_flops_per_token_are_xlas_count_of_the_steps_compiled_calls():
   calls = LoraEngine(model, optax.sgd(0.0), LoraEngineConfig(live_layers=1)).calls
   array = lambda *dims, dtype=jnp.float32: jax.ShapeDtypeStruct(dims, jnp.dtype(dtype))
   x = array(1, seq, 256)  # one row: FLOPs per call = FLOPs per token x seq
-  base = jax.eval_shape(lambda: calls.cast(model.base.init_layers(jax.random.split(jax.random.key(0), 1))))
+  base = jax.eval_shape(lambda: calls.hold(model.base.init_layers(jax.random.split(jax.random.key(0), 1))))
   adapters = jax.eval_shape(model.init_adapters, jax.random.key(0), base)
   outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
   per_token = lambda lowered: lowered.compile().cost_analysis()["flops"] / seq
@@ -352,8 +438,8 @@ def test_a_plan_for_a_gpu_keeps_its_margin_and_corrects_the_cpu_compiled_peak(mo
   """--target on a CPU: the GPU's rates, GPU_MARGIN_BYTES unplanned, the calls' peak through gpu_peak_from_cpu."""
   monkeypatch.setattr(sljax.lora.plan, "gpu_peak_from_cpu", lambda cpu_peak: 3 * cpu_peak)
   model = _model("llama", rank=2)
-  here = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4)
-  there = plan_lora(model, 8, Budget(device_bytes=8 * GIB, host_bytes=GIB), batch=4, target=H200)
+  here = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, tail_layers=0)
+  there = plan_lora(model, 8, Budget(device_bytes=8 * GIB, host_bytes=GIB), batch=4, target=H200, tail_layers=0)
   assert here.device_bytes[MARGIN] == 0
   assert there.device_bytes[MARGIN] == GPU_MARGIN_BYTES
   assert there.device_bytes[SCRATCH] == 3 * here.device_bytes[SCRATCH]
@@ -369,7 +455,7 @@ def test_live_bytes_after_every_dispatch_stay_within_the_plan(layers_short):
   its plan says (less the compiled calls' scratch, which no live array shows): everything on the device, and a
   device layers_short layers too small, so that part of the base streams from host memory."""
   model = _model("llama", rank=2, num_layers=8)
-  roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, sub_batches=2)
+  roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, sub_batches=2, tail_layers=0)
   layer = roomy.device_bytes["resident base layers"] // 8
   plan = plan_lora(model, 8, Budget(sum(roomy.device_bytes.values()) - layers_short * layer, GIB), batch=4,
                    sub_batches=2)

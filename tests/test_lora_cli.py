@@ -78,7 +78,7 @@ def test_lora_run_trains_only_the_adapters_and_resumes_bit_for_bit(tmp_path, tra
   state = read_manifest(os.path.join(one.step_dir, "state"))
   assert {entry["path"][0] for entry in state["arrays"]} == {"step", "adapters", "opt"}
   assert one.meta["lora"] == {"rank": 4, "alpha": 16.0, "targets": ["q_proj", "v_proj", "down_proj"],
-                              "base": {"hf_dir": os.path.abspath(trained.hf_dir)}}
+                              "base_bits": 0, "base": {"hf_dir": os.path.abspath(trained.hf_dir)}}
 
 
 @pytest.mark.slow
@@ -111,6 +111,9 @@ def test_a_resume_on_another_base_or_lora_config_is_refused_before_anything_is_w
       (f"--hf_dir={trained.hf_dir}", *lora, "--lora_rank=8"):
           f"sljax: checkpoint {step_dir} holds LoRA adapters of another base or config than this run's (rank 4 "
           f"saved, 8 asked)",
+      (f"--hf_dir={trained.hf_dir}", *LORA, "--base_bits=4"):
+          f"sljax: checkpoint {step_dir} holds LoRA adapters of another base or config than this run's (base_bits "
+          f"unquantized saved, int4 asked)",
       (f"--hf_dir={trained.hf_dir}", *[flag for flag in lora if not flag.startswith("--lora")]):
           f"sljax: checkpoint {step_dir} holds another training state than this run's",
   }
@@ -125,7 +128,9 @@ BAD_FLAGS = {  # flags -> the one line's message
     "LoRA rank must be >= 1, got 0": ["--lora_rank=0"],
     "no Dense module of the layers is named query (LoRA targets q_proj, query): the layers' are ":
         ["--lora_rank=4", "--lora_targets=q_proj,query"],
-    "--lora_alpha shape LoRA adapters: add --lora_rank": ["--lora_alpha=8"],
+    "--lora_alpha shape LoRA fine-tuning: add --lora_rank": ["--lora_alpha=8"],
+    "--base_bits shape LoRA fine-tuning: add --lora_rank": ["--base_bits=4"],
+    "--base_bits must be 8 or 4 (0: the base unquantized), got 16": ["--lora_rank=4", "--base_bits=16"],
     "--engine=offload shape full training; --lora_rank fine-tunes on one device": ["--lora_rank=4",
                                                                                   "--engine=offload"],
     "--parked_grads_dtype=bfloat16 shape full training": ["--lora_rank=4", "--parked_grads_dtype=bfloat16"],

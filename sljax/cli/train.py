@@ -52,12 +52,15 @@ OPTIM = define(OptimConfig, unset={
 RUN = define(RunConfig)
 # Without --lora_rank every weight trains, and the other LoRA flags have nothing to shape (they are refused).
 LORA = define(LoraConfig, rename={"rank": "lora_rank", "alpha": "lora_alpha", "targets": "lora_targets"}, unset={
-    "rank": "none, every weight trains", "alpha": f"{LoraConfig.alpha:g}", "targets": "every projection"}, help={
+    "rank": "none, every weight trains", "alpha": f"{LoraConfig.alpha:g}", "targets": "every projection",
+    "base_bits": "0, the base in the dtype it runs in"}, help={
     "rank": "Fine-tune LoRA adapters of this rank on the frozen weights of --hf_dir (without it a random base, for "
             "benchmarks only); checkpoints hold the adapters and point to the base.",
     "alpha": "LoRA: the adapter term is scaled by lora_alpha / lora_rank.",
     "targets": "LoRA: the projections of each layer that get adapters, by module name (q_proj, v_proj, ...; a comma "
-               "list, or the flag repeated)."})
+               "list, or the flag repeated).",
+    "base_bits": "LoRA: hold the frozen base's kernels as 8- or 4-bit group-wise codes with scales (QLoRA's base, "
+                 "as generation quantizes), dequantized inside each layer call; checkpoints record it."})
 # This project's code, in the checkout or installed: sljax's and models' directories.
 OWN_DIRS = tuple(os.path.dirname(package.__file__) + os.sep for package in (sljax, models))
 
@@ -74,7 +77,7 @@ def lora_config() -> LoraConfig | None:
   fields = {name: value for name, value in LORA.given().items() if value != ()}  # --lora_targets not given: ()
   if "rank" not in fields:
     if fields:
-      raise ValueError(f"{' and '.join('--' + LORA.names[name] for name in fields)} shape LoRA adapters: add "
+      raise ValueError(f"{' and '.join('--' + LORA.names[name] for name in fields)} shape LoRA fine-tuning: add "
                        f"--lora_rank")
     return None
   targets = tuple(name.strip() for names in fields.get("targets", ()) for name in names.split(",") if name.strip())

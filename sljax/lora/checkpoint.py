@@ -29,8 +29,9 @@ def random_base_key(seed: int) -> jax.Array:
 
 def run_meta(lora: LoraConfig, hf_dir: str, seed: int) -> dict:
   """What a fine-tuning run's checkpoints say of their adapters and of the frozen base they belong to, which is not
-  saved: the LoRA config, and the base's Hugging Face directory (absolute) or the seed of a random base. JSON, as a
-  checkpoint's metadata reads back."""
+  saved: the LoRA config (base_bits: the base the adapters trained on was quantized; they merge into the unquantized
+  one), and the base's Hugging Face directory (absolute) or the seed of a random base. JSON, as a checkpoint's
+  metadata reads back."""
   base = {"hf_dir": os.path.abspath(hf_dir)} if hf_dir else {"random_seed": seed}
   return json.loads(json.dumps({**dataclasses.asdict(lora), "base": base}))
 
@@ -55,8 +56,8 @@ def open_checkpoint(directory: str) -> LoraCheckpoint:
   entry = meta.get("lora")
   if not entry or "model_config" not in meta:
     raise ValueError(f"checkpoint {step_dir} holds no LoRA adapters: it was not written by train.py --lora_rank")
-  return LoraCheckpoint(step_dir, meta, LoraConfig(entry["rank"], entry["alpha"], tuple(entry["targets"])),
-                        entry["base"])
+  lora = LoraConfig(entry["rank"], entry["alpha"], tuple(entry["targets"]), entry.get("base_bits", 0))
+  return LoraCheckpoint(step_dir, meta, lora, entry["base"])
 
 
 def read_adapters(checkpoint: LoraCheckpoint) -> dict:

@@ -3,13 +3,16 @@
   embed every sub-batch                           (the frozen embeddings and head stay on the device)
   for each group g but the last: base W_g on the device (resident, or fetched from pinned host one group ahead);
       stash h[g][s]; every sub-batch through W_g + its adapters -> h[g+1][s]
-  last group: forward + head + backward per sub-batch, residuals kept -> dh, the group's adapter gradient
+  last group: forward + head + backward per sub-batch, residuals kept -> dh, the group's adapter gradient (a longer
+      resident tail, `tail_layers`, keeps more layers' residuals: they are not recomputed)
   for each group g, last-but-one down to 0: W_g again (a streamed group crosses PCIe a second time); the stashed
       inputs back; recompute + backward of every sub-batch: input gradients and adapter gradients, none for the base
   one optax update of every adapter at once, on the device
 
 The base has no master copy, no gradient and no optimizer state: it is held by the engine (`load_base` / `init_base`)
-in the dtypes its layers run in and never changes, so the state a step consumes and returns (and a checkpoint holds)
+in the dtypes its layers run in (with LoraConfig.base_bits, its kernels as int8 / int4 codes and scales, quantized
+once as each group is loaded and dequantized inside every call that runs the group: forward, recompute and input
+gradient; `held_base`) and never changes, so the state a step consumes and returns (and a checkpoint holds)
 is only the adapters, their optimizer state and the step count. Because the whole trainable state is on the device,
 the update is the optimizer's own over all adapters at once: any optax chain, global-norm clipping included, is
 exactly the plain step's.
@@ -30,6 +33,7 @@ from sljax.lora.model import LoraModel, join_adapters, split_adapters
 from sljax.memory import InFlight, Placement, prefetch
 from sljax.mesh import check_batch
 from sljax.metrics import StepFlops, step_flops
+from sljax.quant import QuantConfig, quantize_layers
 from sljax.schedule import check_training_batch
 from sljax.sizes import model_sizes
 
@@ -40,6 +44,10 @@ class LoraEngineConfig:
   live_layers: int = 1  # layers per group
   resident_layers: int = 0  # base layers that stay on the device (spread among the streamed ones); the rest stream
   activations_on_host: bool = True  # stash group-boundary hidden states in pinned host memory for the backward
+  # > 0: the last group is the last tail_layers layers, resident (counted in resident_layers): one call per sub-batch
+  # runs their forward, the head and their backward, keeping their residuals instead of recomputing them. 0: the last
+  # group is as long as the others.
+  tail_layers: int = 0
 
 
 def lora_flops_per_token(model: LoraModel, seq_len: int, recomputed_layers: int) -> StepFlops:
@@ -59,6 +67,23 @@ def lora_flops_per_token(model: LoraModel, seq_len: int, recomputed_layers: int)
   backward = 2 * kernels + 4 * adapter_params + 2 * attention
   head = 4 * cfg.vocab_size * sizes.hidden if hasattr(cfg, "vocab_size") else 0
   return step_flops(layers * (forward + backward) + head, forward, recomputed_layers)
+
+
+def held_base(model: LoraModel, stacked) -> dict:
+  """Base layer params as the engine holds them: each leaf in the dtype the base model runs it in and, with
+  base_bits, every kernel as group-wise codes and scales (sljax.quant's, QuantConfig's group size, as generation
+  compresses layers). jnp: jit it, or eval_shape it for the bytes."""
+  cast = jax.tree.map(lambda x, dtype: x.astype(dtype), stacked, layer_compute_dtypes(model.base, stacked))
+  bits = model.lora.base_bits
+  return quantize_layers(cast, QuantConfig(bits=bits)) if bits else cast
+
+
+def lora_groups(num_layers: int, cfg: LoraEngineConfig) -> tuple[list[tuple[int, int]], list[bool]]:
+  """([start, stop) of each group, whether it is resident): sljax.generate.layer_groups of the layers before the
+  tail, then the tail as one resident group."""
+  head = num_layers - cfg.tail_layers
+  groups, resident = layer_groups(head, cfg.resident_layers - cfg.tail_layers, cfg.live_layers)
+  return groups + [(head, num_layers)] * bool(cfg.tail_layers), resident + [True] * bool(cfg.tail_layers)
 
 
 class LoraEngine:
@@ -81,14 +106,15 @@ class LoraEngine:
       raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
     if not 0 <= cfg.resident_layers <= num_layers:
       raise ValueError(f"resident_layers must be in 0..{num_layers}, got {cfg.resident_layers}")
+    if not 0 <= cfg.tail_layers <= cfg.resident_layers:
+      raise ValueError(f"tail_layers must be in 0..resident_layers ({cfg.resident_layers}): the tail stays on the "
+                       f"device; got {cfg.tail_layers}")
     self.model, self.optimizer, self.cfg = model, optimizer, cfg
     self.place = placement or Placement.single()
     if self.place.mesh.size != 1:
       raise ValueError(f"LoRA fine-tuning runs on one device; the placement's mesh has {self.place.mesh.size}")
-    self.groups, self.resident = layer_groups(num_layers, cfg.resident_layers, cfg.live_layers)
+    self.groups, self.resident = lora_groups(num_layers, cfg)
     self.base = None  # {"outer": on the device, "groups": [group g's base layers, on the device or pinned host]}
-    probe = jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), 1)))
-    self.base_dtypes = layer_compute_dtypes(model.base, probe)
     layers = lambda base, adapters, x: model.layers(join_adapters(base, adapters), x)
     self._embed = jax.jit(model.embed)
     self._forward = jax.jit(layers)
@@ -97,9 +123,8 @@ class LoraEngine:
     self._last_group_loss = jax.jit(self._last_group_loss_fn)
     self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))
     self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
-    self._cast = jax.jit(lambda stacked: jax.tree.map(lambda x, dtype: x.astype(dtype), stacked,
-                                                      layer_compute_dtypes(model.base, stacked)))
-    self._init_base_layers = jax.jit(lambda keys: self._cast(model.base.init_layers(keys)))
+    self._hold = jax.jit(lambda stacked: held_base(model, stacked))
+    self._init_base_layers = jax.jit(lambda keys: held_base(model, model.base.init_layers(keys)))
     self._init_outer = jax.jit(model.base.init_outer)
 
   # ---- jitted pieces -------------------------------------------------------------------------------------------
@@ -132,7 +157,7 @@ class LoraEngine:
   def calls(self) -> "LoraCalls":
     """The step's jitted calls: the plan sizes them (compiled memory analysis, sljax.lora.plan); their compiled FLOPs
     are what lora_flops_per_token counts (tests/test_lora.py)."""
-    return LoraCalls(forward=self._forward, last_group=self._last_group, backward=self._backward, cast=self._cast)
+    return LoraCalls(forward=self._forward, last_group=self._last_group, backward=self._backward, hold=self._hold)
 
   # ---- the frozen base -----------------------------------------------------------------------------------------
 
@@ -148,15 +173,18 @@ class LoraEngine:
 
   def load_base(self, params):
     """The base from full base-model params ({"outer", "layers"}, numpy or jax) or a reader with outer() and
-    layers(start, stop) (models.hf.HFWeights), read one group at a time straight to its home."""
+    layers(start, stop) (models.hf.HFWeights), read one group at a time straight to its home (a quantized base:
+    cast and quantized on the device a group at a time)."""
     reader = params_reader(params)
     cast = lambda tree: jax.tree.map(lambda x, dtype: np.asarray(x).astype(dtype, copy=False), tree,
                                      layer_compute_dtypes(self.model.base, tree))
+    hold = (lambda tree: self._hold(cast(tree))) if self.model.lora.base_bits else cast
     self.base = {"outer": self.place.to_device(jax.tree.map(np.asarray, reader.outer())),
-                 "groups": [self._home(g, cast(reader.layers(a, b))) for g, (a, b) in enumerate(self.groups)]}
+                 "groups": [self._home(g, hold(reader.layers(a, b))) for g, (a, b) in enumerate(self.groups)]}
 
   def base_params(self) -> dict:
-    """The base as full-model params, numpy (for tests and export)."""
+    """The base as full-model params as the engine holds it (a quantized base's kernels as codes and scales), numpy
+    (for tests and export)."""
     layers = [jax.tree.map(np.asarray, group) for group in self.base["groups"]]
     return {"outer": jax.tree.map(np.asarray, self.base["outer"]),
             "layers": jax.tree.map(lambda *xs: np.concatenate(xs), *layers)}
@@ -291,4 +319,4 @@ class LoraCalls(NamedTuple):
   forward: Callable  # (base, adapters, x) -> y: a group's forward (every group but the last)
   last_group: Callable  # (base, adapters, outer, x, targets, weights, 1 / total weight, grads) -> (loss, dx, grads)
   backward: Callable  # (base, adapters, x, dy, grads) -> (dx, grads): recompute + backward of a group
-  cast: Callable  # stacked base layers -> the same in the dtypes the base model runs them in
+  hold: Callable  # stacked base layers -> the same as the engine holds them (held_base)

@@ -3,6 +3,10 @@ targeted `nn.Dense` of a layer gets two more params beside its kernel, lora_a [i
 computes y = x W + (alpha / r) (x A) B. The models' code is untouched: a Flax method interceptor adds the adapter
 term to each Dense that carries one. `merge` folds the adapters into their kernels, so that the plain base model
 computes the fine-tuned one.
+
+The frozen base may hold its kernels as group-wise int8 / int4 codes with scales (`base_bits`, sljax.quant, as
+generation compresses streamed layers): the layers dequantize them inside the call that runs them, so the model is
+exactly the base model on the dequantized kernels, and only the adapters are trained.
 """
 
 import dataclasses
@@ -14,6 +18,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from models.common import check_model, layer_compute_dtypes, loss_denominator
+from sljax.quant import CODES, dequantize_layers
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
@@ -24,10 +29,15 @@ class LoraConfig:
   alpha: float = 16.0  # the adapter term is scaled by alpha / rank
   # Names of the Dense modules inside a layer that get adapters; () targets every one (all the projections).
   targets: tuple[str, ...] = ()
+  # the frozen base's kernels as 8- or 4-bit group-wise codes with scales (QLoRA's base), dequantized inside each
+  # layer call; 0: in the dtype the base model runs them in
+  base_bits: int = 0
 
   def __post_init__(self):
     if self.rank < 1:
       raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+    if self.base_bits not in (0, *CODES):
+      raise ValueError(f"--base_bits must be 8 or 4 (0: the base unquantized), got {self.base_bits}")
     if not math.isfinite(self.alpha) or self.alpha <= 0:
       raise ValueError(f"LoRA alpha must be a positive number, got {self.alpha}")
 
@@ -111,12 +121,13 @@ class LoraModel:
     return self.base.embed(outer, tokens_BxS, positions_BxS)
 
   def layers(self, stacked, h_BxSxD):
+    """The base's layers with the adapters applied; compressed kernels (base_bits) dequantized here, in the call."""
     with nn.intercept_methods(self._adapt):
-      return self.base.layers(stacked, h_BxSxD)
+      return self.base.layers(dequantize_layers(stacked, self.cfg.dtype), h_BxSxD)
 
   def layers_cached(self, stacked, h_BxSxD, cache, offset, start_B):
     with nn.intercept_methods(self._adapt):
-      return self.base.layers_cached(stacked, h_BxSxD, cache, offset, start_B)
+      return self.base.layers_cached(dequantize_layers(stacked, self.cfg.dtype), h_BxSxD, cache, offset, start_B)
 
   def init_cache(self, num_layers, batch, max_len):
     return self.base.init_cache(num_layers, batch, max_len)

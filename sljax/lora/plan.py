@@ -8,8 +8,7 @@ import optax
 
 from sljax.footprint import (MARGIN, SCRATCH, SUB_BATCH_TOKENS, Footprint, Pass, compiled_peak, compute_bound,
                              machine_for, margin_bytes, pass_copy_seconds)
-from sljax.generate import layer_groups
-from sljax.lora.engine import LoraEngine, LoraEngineConfig
+from sljax.lora.engine import LoraEngine, LoraEngineConfig, held_base, lora_groups
 from sljax.lora.model import LoraModel, split_adapters
 from sljax.machines import GIB, Budget, Machine
 from sljax.memory import tree_bytes
@@ -32,6 +31,14 @@ class LoraPlan(NamedTuple):
   phases: dict[str, Pass]
   budget: Budget
   machine: Machine
+  base_bits: int = 0  # LoraConfig.base_bits: the resident and streamed base layers' kernels as codes and scales
+  layers: int = 0  # the model's
+
+  @property
+  def last_layers(self) -> int:
+    """Layers in the last group: those that keep their residuals."""
+    start, stop = lora_groups(self.layers, self.engine)[0][-1]
+    return stop - start
 
   @property
   def footprint(self) -> Footprint:
@@ -51,11 +58,21 @@ class LoraPlan(NamedTuple):
     stash = "in pinned host" if e.activations_on_host else "on the device"
     return "\n".join([
         f"LoRA plan: batch {self.batch} as {e.sub_batches} sub-batches, {e.resident_layers} base layers resident "
-        f"(the rest stream), {e.live_layers} per group, activations {stash}",
+        f"(the rest stream), {e.live_layers} per group, activations {stash}"
+        + (f"; the base's kernels as int{self.base_bits} codes with scales" if self.base_bits else "")
+        + (f"; the last {e.tail_layers} layers one group that keeps its residuals (not recomputed)"
+           if e.tail_layers else ""),
         *("  " + line for line in self.footprint.describe(self.budget)),
         "  " + "; ".join(f"{name}: compute {phase.compute_seconds:.2f} s, copies "
                          f"{pass_copy_seconds(self.machine, phase):.2f} s" for name, phase in self.phases.items())
         + f" ({'compute-bound' if self.compute_bound else 'transfer-bound'})"])
+
+
+def held_layer_bytes(model: LoraModel) -> int:
+  """Bytes of one base layer as the engine holds it (sljax.lora.engine.held_base: with base_bits, the kernels' codes
+  and scales), from the shapes of the model's params."""
+  shapes = jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), 1)))
+  return tree_bytes(jax.eval_shape(lambda stacked: held_base(model, stacked), shapes))
 
 
 def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, seq_len: int) -> int:
@@ -69,8 +86,8 @@ def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, 
     x = shape(rows, seq_len, model_sizes(model.base).hidden)
 
     def stacked(layers):
-      base = jax.eval_shape(lambda: step.cast(model.base.init_layers(jax.random.split(jax.random.key(0), layers))))
-      return base, jax.eval_shape(model.init_adapters, jax.random.key(0), base)
+      base = jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), layers)))
+      return jax.eval_shape(step.hold, base), jax.eval_shape(model.init_adapters, jax.random.key(0), base)
 
     base, adapters = stacked(last_layers)
     outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
@@ -86,20 +103,22 @@ def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, 
 
 def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, sub_batches: int = 0,
               live_layers: int = 1, max_rows: int = 256, optimizer: optax.GradientTransformation | None = None,
-              target: Machine | None = None) -> LoraPlan:
+              target: Machine | None = None, tail_layers: int | None = None) -> LoraPlan:
   """How the engine runs on one device: sub-batches of about SUB_BATCH_TOKENS tokens; the group-boundary
   activations on the device when everything fits there, else in pinned host memory; as many base layers resident as
   the device holds beside the adapters' state, the activations and the compiled calls' peak (the rest stream from
   pinned host); and (batch 0) the fewest rows whose passes are compute-bound with a margin, else the most that fit.
+  Then, where the whole base stays on the device, a tail (LoraEngineConfig.tail_layers; tail_layers: that one, 0
+  none) as long as the memory left holds: its layers keep their residuals instead of being recomputed.
   target: plan for one GPU of that machine (its rates; made on a CPU, the calls' compiled peak corrected by
   sljax.plan.gpu_peak_from_cpu, an estimate) instead of for this process's device. ValueError when nothing fits."""
   sizes = model_sizes(model.base)
   machine = machine_for(target)
   on_cpu = jax.devices()[0].platform == "cpu"
-  peak_of = lambda rows: (gpu_peak_from_cpu if target and on_cpu else int)(
+  peak_of = lambda rows, last_layers: (gpu_peak_from_cpu if target and on_cpu else int)(
       _call_peak(model, live_layers, last_layers, rows, seq_len))
   optimizer = optimizer or optax.adamw(1e-4)
-  layers, layer = sizes.num_layers, sizes.layer_weight_bytes
+  layers, layer = sizes.num_layers, held_layer_bytes(model)
   adapters = split_adapters(jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), layers))))[1]
   outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
   fixed = {MARGIN: margin_bytes(target),
@@ -107,19 +126,24 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
            # master, gradients, the new master; the optimizer state and its new value
            "adapters (master, grads, optimizer, update)":
                3 * tree_bytes(adapters) + 2 * tree_bytes(jax.eval_shape(optimizer.init, adapters))}
-  groups = layer_groups(layers, 0, live_layers)[0]
-  last_layers = groups[-1][1] - groups[-1][0]
+  if tail_layers is not None and not 0 <= tail_layers <= layers:
+    raise ValueError(f"tail_layers must be in 0..{layers} (the model's layers), got {tail_layers}")
 
-  def layout(rows: int, n: int) -> LoraPlan | None:
+  def layout(rows: int, n: int, tail: int) -> LoraPlan | None:
     """The plan for rows in n sub-batches whose step copies the fewest bytes: the stash on the device costs base
-    layers that must then stream (twice per step each), the stash in host memory costs its own copies out and in."""
+    layers that must then stream (twice per step each), the stash in host memory costs its own copies out and in.
+    A tail (tail > 0) only where the whole base stays on the device."""
+    groups = lora_groups(layers, LoraEngineConfig(n, live_layers, tail, tail_layers=tail))[0]
+    last_layers = groups[-1][1] - groups[-1][0]
     sub = rows // n
     act = sizes.activation_bytes(sub, seq_len)
     stash = (len(groups) - 1) * n * act  # every group's input but the last's
-    peak = peak_of(sub)
-    # One pass over the base: 2 FLOPs per parameter and token at the machine's layer efficiency. The backward runs
-    # it twice (recompute, input gradients); each pass copies every streamed layer in, the stash crosses once each way.
+    peak = peak_of(sub, last_layers)
+    # One pass over the base: 2 FLOPs per parameter and token at the machine's layer efficiency. The backward
+    # recomputes the layers before the last group and runs every layer's input gradient; each pass copies every
+    # streamed layer in, the stash crosses once each way.
     forward = rows * seq_len * 2 * sizes.layer_params * layers / (machine.peak_flops * machine.layer_efficiency)
+    backward = forward * (2 * layers - last_layers) / layers
     plans = []
     for on_host in (False, True):
       device = dict(fixed, **{"activations in flight": 3 * n * act, SCRATCH: peak,
@@ -128,38 +152,64 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
       in_flight = STREAMED_IN_FLIGHT * live_layers * layer
       resident = layers if left >= layers * layer else int((left - in_flight) // layer)
       streamed = layers - resident
+      if tail and streamed:
+        continue
       host = {"streamed base layers": streamed * layer, "stashed activations": stash if on_host else 0}
       if resident < 0 or sum(host.values()) > budget.host_bytes:
         continue
       device["resident base layers"] = resident * layer
       device[f"streamed base groups ({STREAMED_IN_FLIGHT} in flight)"] = in_flight if streamed else 0
       out = stash if on_host else 0
-      phases = {"forward": Pass(forward, streamed * layer, out), "backward": Pass(2 * forward, streamed * layer + out, 0)}
-      plans.append(LoraPlan(LoraEngineConfig(n, live_layers, resident, on_host), rows, device, host, phases, budget,
-                            machine))
+      phases = {"forward": Pass(forward, streamed * layer, out), "backward": Pass(backward, streamed * layer + out, 0)}
+      plans.append(LoraPlan(LoraEngineConfig(n, live_layers, resident, on_host, tail), rows, device, host, phases,
+                            budget, machine, model.lora.base_bits, layers))
     return min(plans, key=lambda plan: plan.copy_seconds, default=None)
+
+  def longest_tail(plan: LoraPlan) -> LoraPlan:
+    """The plan with the longest tail the device memory left over holds, the base still all resident and the
+    activations no further from the device (the plan itself where no tail does): a first guess from the bytes one
+    more layer adds, then a layer at a time down or up to the longest whose compiled peaks fit."""
+    rows, n, first = plan.batch, plan.engine.sub_batches, plan.last_layers
+    plans = {}
+
+    def fits(tail: int) -> bool:
+      if tail not in plans:
+        plans[tail] = layout(rows, n, tail)
+      longer = plans[tail]
+      return longer is not None and longer.engine.resident_layers == layers and (
+          plan.engine.activations_on_host or not longer.engine.activations_on_host)
+
+    if plan.engine.resident_layers < layers or first == layers or not fits(first + 1):
+      return plan
+    per_layer = max(plans[first + 1].footprint.device_bytes - plan.footprint.device_bytes, 1)
+    tail = min(layers, first + 1 + (budget.device_bytes - plans[first + 1].footprint.device_bytes) // per_layer)
+    while not fits(tail):  # stops at first + 1 at the latest
+      tail -= 1
+    while tail < layers and fits(tail + 1):
+      tail += 1
+    return plans[tail]
 
   per_call = max(1, SUB_BATCH_TOKENS // seq_len)  # rows per sub-batch call
   # The fewest sub-batches whose rows stay within per_call (or the number given).
   split = lambda rows: sub_batches or min(d for d in range(1, rows + 1) if rows % d == 0 and rows // d <= per_call)
+  memory = (f"{budget.device_bytes / GIB:.1f} GiB of device and {budget.host_bytes / GIB:.1f} GiB of pinned host "
+            f"memory" + (f" with a tail of {tail_layers} layers (the whole base on the device)" if tail_layers else ""))
+  tail = tail_layers or 0
   if batch:
     if sub_batches and batch % sub_batches:
       raise ValueError(f"LoRA: batch {batch} does not split into {sub_batches} sub-batches")
-    plan = layout(batch, split(batch))
-    if plan is None:
-      raise ValueError(f"LoRA: batch {batch} x {seq_len} tokens does not fit {budget.device_bytes / GIB:.1f} GiB "
-                       f"of device and {budget.host_bytes / GIB:.1f} GiB of pinned host memory")
-    return plan
-  best = None
-  step = sub_batches or per_call
-  for rows in range(step, max_rows + 1, step):
-    plan = layout(rows, split(rows))
-    if plan is None:
-      break
-    best = plan
-    if plan.compute_bound:
-      break
-  if best is None:
-    raise ValueError(f"LoRA: not even {step} rows of {seq_len} tokens fit {budget.device_bytes / GIB:.1f} GiB "
-                     f"of device and {budget.host_bytes / GIB:.1f} GiB of pinned host memory")
-  return best
+    best = layout(batch, split(batch), tail)
+    if best is None:
+      raise ValueError(f"LoRA: batch {batch} x {seq_len} tokens does not fit {memory}")
+  else:
+    best, step = None, sub_batches or per_call
+    for rows in range(step, max_rows + 1, step):
+      plan = layout(rows, split(rows), tail)
+      if plan is None:
+        break
+      best = plan
+      if plan.compute_bound:
+        break
+    if best is None:
+      raise ValueError(f"LoRA: not even {step} rows of {seq_len} tokens fit {memory}")
+  return longest_tail(best) if tail_layers is None else best
