@@ -27,7 +27,8 @@ from helpers import generate_cases, run_train, tensorboard_scalars
 
 LORA = ["--set=dtype=float32", "--seq_len=16", "--batch_size=4", "--max_tokens=20000", "--warmup_steps=1",
         "--decay_steps=4", "--log_every=1", "--checkpoint_every=1", "--learning_rate=1e-2", "--lora_rank=4",
-        "--lora_targets=q_proj,v_proj", "--lora_targets=down_proj"]  # a comma list and a repeated flag
+        "--lora_targets=q_proj,v_proj", "--lora_targets=down_proj",  # a comma list and a repeated flag
+        "--live_layers=1", "--tail_layers=1"]  # one layer a group, the last too: the first layer is recomputed
 PEAK_FLOPS = 1e9  # the trained fixture's device peak, so that the CPU run logs MFU and HFU
 
 
@@ -114,7 +115,8 @@ def test_a_resume_on_another_base_or_lora_config_is_refused_before_anything_is_w
       (f"--hf_dir={trained.hf_dir}", *LORA, "--base_bits=4"):
           f"sljax: checkpoint {step_dir} holds LoRA adapters of another base or config than this run's (base_bits "
           f"unquantized saved, int4 asked)",
-      (f"--hf_dir={trained.hf_dir}", *[flag for flag in lora if not flag.startswith("--lora")]):
+      (f"--hf_dir={trained.hf_dir}", *[flag for flag in lora
+                                        if not flag.startswith(("--lora", "--live_layers", "--tail_layers"))]):
           f"sljax: checkpoint {step_dir} holds another training state than this run's",
   }
   for args, line in refusals.items():
