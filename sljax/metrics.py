@@ -3,6 +3,7 @@ that the logs can be written."""
 
 import importlib.util
 import os
+import sys
 from typing import NamedTuple
 
 import jax
@@ -86,6 +87,21 @@ def check_writable_file(path: str, what: str = "file", workdir: str = ""):
     raise ValueError(f"{what} {path} cannot be created: {parent} is read-only here")
 
 
+def summary_writer() -> type:
+  """tensorboardX's SummaryWriter, imported here rather than at the top, and without torch when torch is not loaded
+  yet: tensorboardX imports torch, where installed, only to accept torch tensors (the Logger writes floats), and that
+  import cost each train.py start 2 s of CPU."""
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX catches
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
+
 class Logger:
   """Scalars per step into TensorBoard event files under `workdir/tb`."""
 
@@ -93,9 +109,7 @@ class Logger:
     """`enabled=False` (every process but the first, on several hosts) writes nothing."""
     self.writer = None
     if enabled:
-      from tensorboardX import SummaryWriter  # here, not at the top: it imports torch when present, >1 s
-
-      self.writer = SummaryWriter(os.path.join(workdir, "tb"))
+      self.writer = summary_writer()(os.path.join(workdir, "tb"))
 
   def scalars(self, step: int, values: dict[str, float | None]):
     for name, value in values.items():

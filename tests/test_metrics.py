@@ -1,10 +1,14 @@
 import glob
+import subprocess
+import sys
 import types
 
 import pytest
 
 from models.presets import get_config
 from sljax import metrics
+
+from helpers import REPO
 
 
 def device(kind):
@@ -43,4 +47,15 @@ def test_logger_writes_tensorboard_events(tmp_path):
   logger = metrics.Logger(str(tmp_path))
   logger.scalars(1, {"loss": 3.0, "mfu": None})
   logger.close()
+  assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+
+
+def test_the_logger_leaves_torch_out_of_a_process_that_has_not_imported_it(tmp_path):
+  """tensorboardX imports torch where installed (2 s of each train.py start) only to accept torch tensors."""
+  code = ("import importlib.util, sys; from sljax.metrics import Logger; Logger(sys.argv[1]).scalars(1, {'loss': 3.0}); "
+          "assert 'torch' not in sys.modules; assert 'tensorboardX' in sys.modules; "
+          "assert importlib.util.find_spec('torch') is not None")  # a later `import torch` still finds it
+  done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 0, done.stderr
   assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
