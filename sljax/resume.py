@@ -48,6 +48,26 @@ def lora_meta(request: Request, configs: Configs) -> dict | None:
   return None if request.lora is None else run_meta(request.lora, request.launch.hf_dir, configs.data.seed)
 
 
+def resumed_lora_groups(request: Request, workdir: str) -> dict | None:
+  """The layer grouping ({"live_layers", "tail_layers"}) of the LoRA checkpoint in `workdir` that this run resumes
+  from, which its adapters are laid out by (a leaf per group): the plan keeps it. None where there is no checkpoint,
+  or one written before checkpoints recorded it. A request for another grouping is refused (ValueError)."""
+  try:
+    step_dir, meta = newest_checkpoint(workdir)
+  except ValueError:
+    return None
+  saved = (meta.get("lora") or {}).get("groups")
+  if saved is None:
+    return None
+  asked = {name: getattr(request.launch, name) for name in saved if getattr(request.launch, name)}
+  if any(saved[name] != value for name, value in asked.items()):
+    flags = " ".join(f"--{name}={value}" for name, value in saved.items())
+    raise ValueError(f"checkpoint {step_dir} holds adapters laid out by its layer groups ({flags}), and this run asks "
+                     f"for {' '.join(f'--{name}={value}' for name, value in asked.items())}: resume with {flags}, or "
+                     f"use another --workdir")
+  return saved
+
+
 def check_lora_resume(workdir: str, lora: dict):
   """ValueError when the newest checkpoint in `workdir` does not hold adapters of this LoRA config on this base:
   resumed, they would train on with another base or config. A workdir without a readable checkpoint passes (the

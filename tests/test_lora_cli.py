@@ -79,7 +79,8 @@ def test_lora_run_trains_only_the_adapters_and_resumes_bit_for_bit(tmp_path, tra
   state = read_manifest(os.path.join(one.step_dir, "state"))
   assert {entry["path"][0] for entry in state["arrays"]} == {"step", "adapters", "opt"}
   assert one.meta["lora"] == {"rank": 4, "alpha": 16.0, "targets": ["q_proj", "v_proj", "down_proj"],
-                              "base_bits": 0, "base": {"hf_dir": os.path.abspath(trained.hf_dir)}}
+                              "base_bits": 0, "base": {"hf_dir": os.path.abspath(trained.hf_dir)},
+                              "groups": {"live_layers": 1, "tail_layers": 1}}
 
 
 @pytest.mark.slow
@@ -94,6 +95,24 @@ def test_tensorboard_has_mfu_without_the_recompute_and_hfu_with_it(trained):
     assert scalars["mfu"][step] == pytest.approx(tokens_per_s * flops.model / PEAK_FLOPS, rel=1e-5)
     assert scalars["hfu"][step] == pytest.approx(tokens_per_s * flops.hardware / PEAK_FLOPS, rel=1e-5)
   assert flops.hardware > flops.model
+
+
+def test_a_resume_keeps_the_layer_groups_its_adapters_are_laid_out_by(tmp_path, trained):
+  """The checkpoint's adapters are a leaf per layer group: left to choose, the plan would group the tiny base
+  otherwise (a tail of both layers), so a resume takes the saved groups; asking for others is refused in one line
+  before anything is written."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained.workdir, workdir)
+  ungrouped = [flag for flag in LORA if not flag.startswith(("--live_layers", "--tail_layers"))]
+  before = files_under(workdir)
+  with pytest.raises(SystemExit) as info:
+    run_train(f"--hf_dir={trained.hf_dir}", f"--workdir={workdir}", *ungrouped, "--tail_layers=2", "--steps=3")
+  assert str(info.value).startswith(f"sljax: checkpoint {newest_checkpoint(str(workdir))[0]} holds adapters laid out "
+                                    "by its layer groups (--live_layers=1 --tail_layers=1), and this run asks for "
+                                    "--tail_layers=2: resume with") and "\n" not in str(info.value), info.value
+  assert files_under(workdir) == before
+  history = run_train(f"--hf_dir={trained.hf_dir}", f"--workdir={workdir}", *ungrouped, "--steps=3")
+  assert sorted(history) == [3]
 
 
 @pytest.mark.slow
