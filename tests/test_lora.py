@@ -107,10 +107,7 @@ def test_engine_lora_steps_equal_plain_lora_steps_and_leave_the_base_alone(case)
   batches = [make_batch(rng, 8, 8) for _ in range(2)]
   want_losses, want_adapters = _reference(model, optimizer, base, adapters, batches)
 
-  state, got_losses = engine.from_adapters(adapters), []
-  for batch in batches:
-    state, loss = engine.step(state, batch)
-    got_losses.append(float(loss))
+  state, got_losses = _steps(engine, adapters, batches)
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
   assert rel_error(engine.adapters(state), want_adapters) <= 1e-5
   if optimizer_name == "sgd" and not clip:  # the update is exactly -0.1 x the gradients
@@ -125,6 +122,15 @@ def test_engine_lora_steps_equal_plain_lora_steps_and_leave_the_base_alone(case)
   for g, group in enumerate(engine.base["groups"]):
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(group)}
     assert kinds == ({"device"} if engine.resident[g] else {HOST})
+
+
+def _steps(engine, adapters, batches) -> tuple[dict, list[float]]:
+  """The engine's state after a step on each batch from `adapters`, and the steps' losses."""
+  state, losses = engine.from_adapters(adapters), []
+  for batch in batches:
+    state, loss = engine.step(state, batch)
+    losses.append(float(loss))
+  return state, losses
 
 
 @pytest.mark.parametrize("bits, cfg", [(4, LoraEngineConfig(sub_batches=4, live_layers=2, resident_layers=2)),
@@ -148,10 +154,7 @@ def test_steps_on_a_quantized_base_equal_plain_lora_steps_on_the_dequantized_bas
   rng = np.random.default_rng(bits)
   batches = [make_batch(rng, 8, 8) for _ in range(2)]
   want_losses, want_adapters = _reference(plain, optimizer, dequantized, adapters, batches)
-  state, got_losses = engine.from_adapters(adapters), []
-  for batch in batches:
-    state, loss = engine.step(state, batch)
-    got_losses.append(float(loss))
+  state, got_losses = _steps(engine, adapters, batches)
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
   assert rel_error(engine.adapters(state), want_adapters) <= 1e-5
   assert abs(float(engine.eval_loss(state, batches[0])) - float(jax.jit(plain.loss)(
