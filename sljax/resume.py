@@ -50,15 +50,18 @@ def lora_meta(request: Request, configs: Configs) -> dict | None:
 
 def resumed_lora_groups(request: Request, workdir: str) -> dict | None:
   """The layer grouping ({"live_layers", "tail_layers"}) of the LoRA checkpoint in `workdir` that this run resumes
-  from, which its adapters are laid out by (a leaf per group): the plan keeps it. None where there is no checkpoint,
-  or one written before checkpoints recorded it. A request for another grouping is refused (ValueError)."""
+  from, which its adapters are laid out by (a leaf per group): the plan keeps it. None where there is no LoRA
+  checkpoint; no tail for one written before checkpoints recorded their groups (and LoRA had tails). A request for
+  another grouping than a recorded one is refused (ValueError)."""
   try:
     step_dir, meta = newest_checkpoint(workdir)
   except ValueError:
     return None
-  saved = (meta.get("lora") or {}).get("groups")
-  if saved is None:
+  if not meta.get("lora"):
     return None
+  saved = meta["lora"].get("groups")
+  if saved is None:
+    return {"tail_layers": 0}
   asked = {name: getattr(request.launch, name) for name in saved if getattr(request.launch, name)}
   if any(saved[name] != value for name, value in asked.items()):
     flags = " ".join(f"--{name}={value}" for name, value in saved.items())

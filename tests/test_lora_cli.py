@@ -115,6 +115,22 @@ def test_a_resume_keeps_the_layer_groups_its_adapters_are_laid_out_by(tmp_path, 
   assert sorted(history) == [3]
 
 
+def test_a_checkpoint_from_before_lora_tails_resumes_without_one(tmp_path, trained):
+  """A checkpoint whose meta records no groups was written when a LoRA plan had no tail: its resume plans none
+  (left to choose, the plan would take a tail of both layers, and the adapters' shapes would not match)."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained.workdir, workdir)
+  step_dir, _ = newest_checkpoint(str(workdir))
+  path = os.path.join(step_dir, "meta", "metadata")
+  with open(path) as f:
+    meta = json.load(f)
+  del meta["lora"]["groups"]
+  with open(path, "w") as f:
+    json.dump(meta, f)
+  ungrouped = [flag for flag in LORA if not flag.startswith(("--live_layers", "--tail_layers"))]
+  assert sorted(run_train(f"--hf_dir={trained.hf_dir}", f"--workdir={workdir}", *ungrouped, "--steps=3")) == [3]
+
+
 @pytest.mark.slow
 def test_a_resume_on_another_base_or_lora_config_is_refused_before_anything_is_written(tmp_path, trained):
   shutil.copytree(trained.hf_dir, tmp_path / "copy")
