@@ -118,6 +118,17 @@ def fits_on_device(launch: LaunchConfig, model_cfg: ModelConfig, optim_cfg: Opti
     return False
 
 
+def auto_runs_on_device(launch: LaunchConfig, model_cfg: ModelConfig, optim_cfg: OptimConfig,
+                        device: jax.Device) -> bool:
+  """--engine=auto's choice: the on-device step on a CPU whose memory holds the training state; on an accelerator
+  (this one or --target's) always the offload engine. Its plan keeps every group's state on the device where it fits
+  and recomputes only the layers outside its residual-keeping tail, where the on-device step recomputes every layer
+  and counts no activations or update temporaries when it checks the fit. On the H200 the on-device step ran llama7b
+  at 45.4% MFU against the offload engine's 47.3%, and llama13b with 8-bit moments (state 122 of 132 GiB) out of
+  memory in its first step."""
+  return device.platform == "cpu" and not launch.target and fits_on_device(launch, model_cfg, optim_cfg, device)
+
+
 def plan_budget(launch: LaunchConfig, device: jax.Device, target: Machine | None, local: int = 1) -> Budget:
   """One device's budget for its plan: a GPU of --target's or this device, --device_memory_gib and this process's
   --host_memory_gib (an equal share for each of its `local` devices) replacing what they give."""
@@ -142,14 +153,14 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
     optim_cfg = dataclasses.replace(optim_cfg, moments_dtype=moments)
   mode = launch.engine
   if mode == "auto":
-    mode = "offload" if not fits_on_device(launch, model_cfg, optim_cfg, device) else "device"
+    mode = "device" if auto_runs_on_device(launch, model_cfg, optim_cfg, device) else "offload"
   offload_only = [f"--{name}" for name in ("sub_batches", "live_layers", "tail_layers") if getattr(launch, name)]
   offload_only += [f"--parked_grads_dtype={launch.parked_grads_dtype}"] * (launch.parked_grads_dtype != "float32")
   if launch.parked_grads_dtype != "float32" and not optim_cfg.grad_clip_norm:
     raise ValueError(f"--parked_grads_dtype={launch.parked_grads_dtype} narrows the gradients that wait for clipping's "
                      f"global norm, but --grad_clip_norm=0 parks none")
   if mode == "device" and offload_only and not launch.plan:
-    chosen = "the auto engine chose the on-device step (the training state fits)" if launch.engine == "auto" else (
+    chosen = "the auto engine chose the on-device step (a CPU; the training state fits)" if launch.engine == "auto" else (
         "--engine=device runs the on-device step")
     raise ValueError(f"{' and '.join(offload_only)} shape the offload engine's step, but {chosen}: add "
                      f"--engine=offload to use them")

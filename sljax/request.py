@@ -37,8 +37,8 @@ class LaunchConfig:
   # start from these Hugging Face LLaMA/OPT weights (config.json + *.safetensors) instead of a random init; the model
   # is the one its config.json describes (--set still applies)
   hf_dir: str = ""
-  # training step: the plain all-on-device step, the SpeedLoader offload engine, or auto (device when the training
-  # state fits on the device, else offload)
+  # training step: the plain all-on-device step, the SpeedLoader offload engine, or auto (on a CPU the on-device step
+  # when the training state fits; on an accelerator, or with --target, the offload engine)
   engine: typing.Literal["auto", "device", "offload"] = "auto"
   sub_batches: int = 0  # offload engine: sub-batches per step (0: the plan chooses)
   live_layers: int = 0  # offload engine: layers per group fetched to the device at once (0: plan)
