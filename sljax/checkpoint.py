@@ -64,11 +64,12 @@ STAGING_BYTES = 4 * GIB  # extra host memory a save or restore may use
 PARTS_PER_BUDGET = 4
 WRITERS = 4
 MIN_PART_BYTES = 64 * 2**20
-# A restore holds less per part than a save: orbax's read buffer and the numpy array it returns, about 2.3 part bytes
-# per part in flight on the H200 (12-layer llama13b, 205 MiB parts: 2.2 GiB with 5 parts in flight, 4.2 GiB with 9).
-# Reading is what bounds a restore (there, 4 readers left the placing thread waiting 18 of 32 s at 0.79 of the disk's
-# read rate; 8 reached 0.89), so a restore reads as many parts at once as the budget holds at this cost.
-RESTORE_BYTES_PER_PART_BYTE = 2.4
+# A restore holds less per part than a save: orbax's read buffer and the numpy array it returns, 2.2 to 3.0 part bytes
+# per part in flight on the H200 (12-layer llama13b, 205 MiB parts: 2.2 GiB with 5 parts in flight, 4.2 GiB with 9,
+# and 4.8 GiB with 8 in the run of 2026-12-04, over the 4 GiB budget). Reading is what bounds a restore (there, 4
+# readers left the placing thread waiting 18 of 32 s at 0.79 of the disk's read rate; 7 reached 0.96), so a restore
+# reads as many parts at once as the budget holds at the largest cost measured: 5 readers in 4 GiB.
+RESTORE_BYTES_PER_PART_BYTE = 3.0
 # Manifest versions. 2: an engine's state is saved per layer (sljax.checkpoint_layout). 1: as the engine held it in
 # memory (layer groups stacked, compute copies included); read for its params and for pytrees saved as they are,
 # not resumed by an engine (sljax.resume says so).
