@@ -138,9 +138,12 @@ class LoraEngine:
     # Laid out as the state it replaces (replicated), so that the next step compiles nothing.
     self._update = jax.jit(self._update_fn, donate_argnums=(0, 1), out_shardings=self.place.device())
     self._zeros = self.place.zero_slots
-    self._hold = jax.jit(lambda stacked: held_base(model, stacked))
-    self._init_base_layers = jax.jit(lambda keys: held_base(model, model.base.init_layers(keys)))
-    self._init_outer = jax.jit(model.base.init_outer)
+    # The base is made whole on every device of the mesh (no process places another's devices' parts).
+    whole_on_devices = self.place.device()
+    self._hold = jax.jit(lambda stacked: held_base(model, stacked), out_shardings=whole_on_devices)
+    self._init_base_layers = jax.jit(lambda keys: held_base(model, model.base.init_layers(keys)),
+                                     out_shardings=whole_on_devices)
+    self._init_outer = jax.jit(model.base.init_outer, out_shardings=whole_on_devices)
 
   # ---- jitted pieces -------------------------------------------------------------------------------------------
 
@@ -184,7 +187,7 @@ class LoraEngine:
     """A random base (the base model's init, one group at a time), for benchmarks."""
     outer_key, layers_key = jax.random.split(key)
     keys = jax.random.split(layers_key, self.model.cfg.num_layers)
-    self.base = {"outer": self.place.to_device(self._init_outer(outer_key)),
+    self.base = {"outer": self._init_outer(outer_key),
                  "groups": [self._home(g, self._init_base_layers(keys[a:b])) for g, (a, b) in enumerate(self.groups)]}
 
   def load_base(self, params):
