@@ -15,7 +15,6 @@ flags are those fields.
 """
 
 import dataclasses
-import math
 import os
 
 import jax
@@ -129,6 +128,12 @@ def auto_runs_on_device(launch: LaunchConfig, model_cfg: ModelConfig, optim_cfg:
   return device.platform == "cpu" and not launch.target and fits_on_device(launch, model_cfg, optim_cfg, device)
 
 
+def local_devices(mesh: jax.sharding.Mesh) -> int:
+  """The mesh's devices in this process. The host budget is this process's: each of them keeps its own share of the
+  host-resident state in pinned memory (a whole copy under pure data parallel), so each plans with an equal part."""
+  return sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+
 def plan_budget(launch: LaunchConfig, device: jax.Device, target: Machine | None, local: int = 1) -> Budget:
   """One device's budget for its plan: a GPU of --target's or this device, --device_memory_gib and this process's
   --host_memory_gib (an equal share for each of its `local` devices) replacing what they give."""
@@ -143,7 +148,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   batch, and a bf16 first moment where fp32 moments do not fit. Prints the plan (and a line for each choice) when
   offloading or fine-tuning adapters."""
   if request.lora is not None:
-    return choose_lora_engine(request, configs)
+    return choose_lora_engine(request, configs, mesh)
   launch, model_cfg, data_cfg, optim_cfg = request.launch, configs.model, configs.data, configs.optim
   device = jax.devices()[0]
   target = MACHINES[launch.target] if launch.target else None
@@ -173,9 +178,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   # The engine runs its model without per-layer remat (each group's backward recomputes the group's forward); the
   # config says so too, so that the run's saved model config and its plan describe the model the step runs.
   model_cfg = dataclasses.replace(model_cfg, remat=False)
-  # The host budget is this process's: each of its devices keeps its own share of the host-resident state in pinned
-  # memory (a whole copy under pure data parallel), so each device plans with an equal part of it.
-  local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  local = local_devices(mesh)
   budget = plan_budget(launch, device, target, local)
   model = build(model_cfg)
   planned = batch_planned(request, model_cfg)
@@ -228,16 +231,18 @@ def check_lora_request(launch: LaunchConfig):
   asked = [f"--{name}" for name in ("int8_exchange",) if getattr(launch, name)]
   asked += [f"--parked_grads_dtype={launch.parked_grads_dtype}"] * (launch.parked_grads_dtype != "float32")
   asked += [f"--engine={launch.engine}"] * (launch.engine != "auto")
-  asked += [f"--mesh={launch.mesh}"] * (math.prod(parse_mesh(launch.mesh).values()) > 1 if launch.mesh else False)
+  asked += [f"--mesh={launch.mesh}"] * (parse_mesh(launch.mesh)["fsdp"] > 1 if launch.mesh else False)
   if asked:
-    raise ValueError(f"{' and '.join(asked)} shape full training; --lora_rank fine-tunes on one device through the "
-                     f"LoRA engine, whose plan places the frozen base (--sub_batches, --live_layers, --tail_layers "
-                     f"and the memory budgets apply)")
+    raise ValueError(f"{' and '.join(asked)} shape full training; --lora_rank fine-tunes through the LoRA engine, on "
+                     f"one device or data parallel (--mesh=data:N, the whole frozen base on every device), whose plan "
+                     f"places the frozen base (--sub_batches, --live_layers, --tail_layers and the memory budgets "
+                     f"apply)")
 
 
-def choose_lora_engine(request: Request, configs: Configs) -> tuple:
-  """choose_engine for a LoRA request: sljax.lora.plan.plan_lora on this device settles the layout (how much of the base
-  stays on the device) and, where the request and the recipe leave it open, the batch. Prints the plan."""
+def choose_lora_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -> tuple:
+  """choose_engine for a LoRA request: sljax.lora.plan.plan_lora for each device of the (data-parallel) mesh settles
+  the layout (how much of the base stays on the device) and, where the request and the recipe leave it open, the
+  batch. Prints the plan."""
   launch, model_cfg, data_cfg = request.launch, configs.model, configs.data
   # The engine runs without per-layer remat (each group's backward recomputes it); the saved config says so.
   model_cfg = dataclasses.replace(model_cfg, remat=False)
@@ -245,16 +250,19 @@ def choose_lora_engine(request: Request, configs: Configs) -> tuple:
   target = MACHINES[launch.target] if launch.target else None
   # A resume keeps the layer groups its checkpoint's adapters are laid out by.
   saved = resumed_lora_groups(request, configs.run.workdir) or {}
+  local = local_devices(mesh)
   plan = plan_lora(LoraModel(build(model_cfg), request.lora), data_cfg.seq_len,
-                   plan_budget(launch, jax.devices()[0], target), batch=0 if planned else data_cfg.batch_size,
+                   plan_budget(launch, jax.devices()[0], target, local), batch=0 if planned else data_cfg.batch_size,
                    sub_batches=launch.sub_batches, live_layers=launch.live_layers or saved.get("live_layers", 1),
                    optimizer=make_optimizer(configs.optim), target=target,
-                   tail_layers=launch.tail_layers or saved.get("tail_layers"))
+                   tail_layers=launch.tail_layers or saved.get("tail_layers"), devices=mesh.size)
   if planned:
     data_cfg = dataclasses.replace(data_cfg, batch_size=plan.batch)
     why = "the fewest rows whose passes are compute-bound" if plan.compute_bound else "the most rows that fit"
     print(f"note: batch {plan.batch}, the LoRA plan's: {why}")
-  print(f"plan for {model_name(launch)}, batch {data_cfg.batch_size} x {data_cfg.seq_len}:\n{plan.describe()}")
+  per_device = f" (per device, {local} on this host)" if mesh.size > 1 else ""
+  print(f"plan for {model_name(launch)}, batch {data_cfg.batch_size} x {data_cfg.seq_len}{per_device}:\n"
+        f"{plan.describe()}")
   return model_cfg, data_cfg, configs.optim, plan.engine
 
 
@@ -281,7 +289,8 @@ def prepare(request: Request) -> Job:
       check_lora_resume(configs.run.workdir, lora_meta(request, configs))
   source = make_source(configs.data, configs.model.max_positions, configs.model.vocab_size,
                        configs.run.eval_every > 0)  # held-out text too, for --eval_every
-  mesh = make_mesh("data:1,fsdp:1" if request.lora is not None else launch.mesh)  # LoRA: one device
+  # LoRA: one device unless --mesh asks for data parallel (check_lora_request refuses fsdp)
+  mesh = make_mesh((launch.mesh or "data:1,fsdp:1") if request.lora is not None else launch.mesh)
   model_cfg, data_cfg, optim_cfg, engine_cfg = choose_engine(request, configs, mesh)
   check_batch(data_cfg.batch_size, engine_cfg.sub_batches if engine_cfg else 1, mesh)
   if data_cfg != configs.data:  # the plan chose the batch: the corpus read stays, the windows per step change
@@ -309,12 +318,12 @@ def train(job: Job) -> dict[int, float]:
           "optim": dataclasses.asdict(optim_cfg)}
   learning_rate = learning_rate_schedule(optim_cfg)
   if request.lora is not None:  # the weights are the frozen base, held by the engine; the state starts fresh
-    engine = lora_engine(model_cfg, optim_cfg, request.lora, job.engine, weights, data_cfg.seed)
+    engine = lora_engine(model_cfg, optim_cfg, request.lora, job.engine, weights, data_cfg.seed, job.mesh)
     recomputed = model_cfg.num_layers - (engine.groups[-1][1] - engine.groups[-1][0])  # all but the last group's
     groups = {"live_layers": job.engine.live_layers, "tail_layers": job.engine.tail_layers}  # the adapters' layout
     return trainer.train(fine_tuned(engine), job.source, run_cfg,
                          {**meta, "lora": {**lora_meta(request, job.configs), "groups": groups}}, learning_rate,
-                         lora_flops_per_token(engine.model, data_cfg.seq_len, recomputed))
+                         lora_flops_per_token(engine.model, data_cfg.seq_len, recomputed), devices=job.mesh.size)
   mesh = job.mesh if job.mesh.size > 1 else None
   # The offload engine recomputes every group's layers but the last group's; the on-device step with remat, each layer.
   recomputed = (job.engine.bounds(model_cfg.num_layers)[-1][0] if job.engine is not None

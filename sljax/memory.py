@@ -18,12 +18,13 @@ import threading
 from typing import Callable, Iterable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sljax.mesh import AXES, REPLICATED, make_mesh, state_spec
+from sljax.mesh import AXES, PER_DEVICE, REPLICATED, make_mesh, state_spec
 
 DEVICE = "device"
 HOST = "pinned_host"  # page-locked: host<->device copies run at full PCIe speed and asynchronously
@@ -95,6 +96,18 @@ class Placement:
       return sharding.with_memory_kind(kind)
     return NamedSharding(self.mesh, _spec_of(REPLICATED if spec is None else spec, x), memory_kind=kind)
 
+  # ---- on each device's rows -----------------------------------------------------------------------------------
+
+  def local(self, fn: Callable, in_specs, out_specs, donate=()) -> Callable:
+    """fn jitted to run on each device's own rows (shard_map over the mesh); nothing inside communicates."""
+    mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.jit(mapped, donate_argnums=donate)
+
+  def zero_slots(self, tree):
+    """fp32 gradient accumulators for the leaves of `tree` (arrays or shapes), zero, one slot per device (a leading
+    axis laid out `PER_DEVICE`): each device adds its rows' part to its own (`accumulate`), `reduce` sums them."""
+    return _zero_slots(self.device(PER_DEVICE))(tree)
+
   # ---- between devices -----------------------------------------------------------------------------------------
 
   def gather(self, tree, dtype=None):
@@ -126,6 +139,21 @@ class Placement:
     # Consumes the accumulators. A sum as large per device as they are (nothing scattered) reuses their memory.
     in_place = not sharded or self.fsdp == 1
     return (_reduce_in_place if in_place else _reduce)(per_device, mesh=self.mesh, sharded=sharded)
+
+
+def accumulate(acc, grads):
+  """acc + grads in fp32, in a per-device slot (leading axis; inside `Placement.local`); acc None (a first
+  sub-batch): grads alone, so no zeros are written and read back."""
+  if acc is None:
+    return jax.tree.map(lambda g: g.astype(jnp.float32)[None], grads)
+  return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+
+
+@functools.cache
+def _zero_slots(sharding: NamedSharding) -> Callable:
+  devices = sharding.mesh.size
+  return jax.jit(lambda tree: jax.tree.map(lambda x: jnp.zeros((devices, *x.shape), jnp.float32), tree),
+                 out_shardings=sharding)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "dtype"))

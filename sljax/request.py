@@ -50,7 +50,7 @@ class LaunchConfig:
   # inexact: each rounded once; the norm is the fp32 gradients')
   parked_grads_dtype: typing.Literal["float32", "bfloat16"] = "float32"
   # devices as data:D,fsdp:F, D x F dividing the device count (default: fsdp over each host's devices, data parallel
-  # across hosts)
+  # across hosts; LoRA: data:D only, the whole base on every device, and one device by default)
   mesh: str = ""
   plan: bool = False  # print the offload engine's plan (placement, bytes per tier, step-time bound), exit
   # with --plan: plan for one GPU of this kind (its allocator limit, pinned budget, peak and copy rate from

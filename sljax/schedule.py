@@ -54,7 +54,7 @@ import numpy as np
 import optax
 
 from models.common import check_model, layer_compute_dtypes, loss_denominator, params_reader
-from sljax.memory import DEVICE, HOST, InFlight, Placement, prefetch
+from sljax.memory import DEVICE, HOST, InFlight, Placement, accumulate, prefetch
 from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 from sljax.optim import check_per_parameter
 
@@ -221,14 +221,6 @@ def _alive(refs: list) -> list:
   return [x for x in (ref() for ref in refs) if x is not None and not x.is_deleted()]
 
 
-def _add(acc, grads):
-  """acc + grads in fp32, in a per-device slot (leading axis); acc None (a group's first sub-batch): grads alone, so
-  no zeros are written and read back."""
-  if acc is None:
-    return jax.tree.map(lambda g: g.astype(jnp.float32)[None], grads)
-  return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
-
-
 def quantize_rows(x):
   """int8 with one fp32 scale per row (last axis): |dequantize_rows(*quantize_rows(x)) - x| <= max|row| / 254."""
   scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) / 127.0
@@ -326,7 +318,7 @@ class Engine:
                                                              self.layer_dtypes)))
 
     # Per-sub-batch calls see the whole weights and this device's rows; outputs are rows or per-device slots.
-    local, whole, rows = self._local, REPLICATED, PER_DEVICE
+    local, whole, rows = self.place.local, REPLICATED, PER_DEVICE
     self._embed = local(lambda outer, tokens: model.embed(outer, tokens), (whole, rows), rows)
     self._forward = local(model.layers, (whole, rows), rows)  # its input is still being stashed: not donated
     self._last_group = local(self._last_group_fn, (whole, whole, rows, rows, rows, whole, rows, rows), rows,
@@ -340,9 +332,7 @@ class Engine:
     self._updated_copy = jax.jit(self._update_fn)  # for params(): leaves the state it reads alone
     # Gradient accumulators: fp32 whatever the compute dtype, a slot per device (leading axis) so that no sub-batch
     # call communicates; placed like the step's outputs so nothing recompiles.
-    devices = self.place.mesh.size
-    self._zeros = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.zeros((devices, *x.shape), jnp.float32), tree),
-                          out_shardings=self.place.device(PER_DEVICE))
+    self._zeros = self.place.zero_slots
     self._sq_norm = jax.jit(lambda tree: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
     parked = jnp.dtype(cfg.parked_grads_dtype)
     self._narrow = (jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(parked), tree), donate_argnums=0)
@@ -357,11 +347,6 @@ class Engine:
     self._init_outer = jax.jit(model.init_outer, out_shardings=sharded(outer_shapes))
     self._init_outer_opt = jax.jit(optimizer.init, out_shardings=sharded(jax.eval_shape(optimizer.init, outer_shapes)))
 
-  def _local(self, fn, in_specs, out_specs, donate=()):
-    """fn jitted to run on each device's own rows (shard_map); nothing inside communicates."""
-    mapped = jax.shard_map(fn, mesh=self.place.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return jax.jit(mapped, donate_argnums=donate)
-
   # ---- jitted pieces -------------------------------------------------------------------------------------------
 
   def _last_group_fn(self, weights, outer, x, targets, loss_weights, inv_total, grads, outer_grads):
@@ -370,7 +355,8 @@ class Engine:
       return self.model.head_loss(outer, h, targets, loss_weights) * inv_total
 
     loss, (d_weights, d_outer, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(weights, outer, x)
-    return loss[None], dx, _add(grads, d_weights), _add(outer_grads, d_outer)  # loss: this device's rows' part
+    # loss: this device's rows' part
+    return loss[None], dx, accumulate(grads, d_weights), accumulate(outer_grads, d_outer)
 
   def _last_group_loss_fn(self, weights, outer, x, targets, loss_weights, inv_total):
     h = self.model.layers(weights, x)
@@ -379,11 +365,11 @@ class Engine:
   def _backward_fn(self, weights, x, dy, grads):
     _, vjp = jax.vjp(self.model.layers, weights, x)
     d_weights, dx = vjp(dy)
-    return dx, _add(grads, d_weights)
+    return dx, accumulate(grads, d_weights)
 
   def _embed_backward_fn(self, outer, tokens, dh, outer_grads):
     _, vjp = jax.vjp(lambda o: self.model.embed(o, tokens), outer)
-    return _add(outer_grads, vjp(dh)[0])
+    return accumulate(outer_grads, vjp(dh)[0])
 
   def _update_fn(self, master, opt_state, grads, norm, ok):
     """The optimizer's update, or (ok false: a non-finite step) the state unchanged."""

@@ -128,11 +128,12 @@ def offloaded(model, optim_cfg: OptimConfig, engine_cfg: EngineConfig,
 
 
 def lora_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, lora: LoraConfig, engine_cfg: LoraEngineConfig,
-                base, seed: int) -> LoraEngine:
+                base, seed: int, mesh: jax.sharding.Mesh | None = None) -> LoraEngine:
   """The LoRA engine train.py runs (sljax.lora.engine): its AdamW and clipping over all adapters at once, on the frozen
   base `base` (full base-model params or a reader, models.hf.HFWeights, read one group at a time), or with None the
-  random base of `seed`."""
-  engine = LoraEngine(LoraModel(build(model_cfg), lora), make_optimizer(optim_cfg), engine_cfg)
+  random base of `seed`; data parallel over `mesh` when given."""
+  engine = LoraEngine(LoraModel(build(model_cfg), lora), make_optimizer(optim_cfg), engine_cfg,
+                      None if mesh is None else Placement(mesh))
   if base is None:
     engine.init_base(random_base_key(seed))
   else:

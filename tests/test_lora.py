@@ -21,7 +21,8 @@ from sljax.lora.model import LoraConfig, LoraModel, join_adapters, merge, split_
 from sljax.footprint import GPU_MARGIN_BYTES, MARGIN, SCRATCH
 from sljax.lora.plan import STREAMED_IN_FLIGHT, held_layer_bytes, plan_lora
 from sljax.machines import GIB, H200, Budget
-from sljax.memory import HOST, InFlight
+from sljax.memory import HOST, InFlight, Placement
+from sljax.mesh import make_mesh
 from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
 from sljax.sizes import model_sizes
 
@@ -64,14 +65,16 @@ def _value_and_grad(model):
 
 
 def _reference(model, optimizer, base, adapters, batches):
-  """Plain training of the adapters: jax.grad of the whole model's loss, then optax, on the full batch."""
-  opt_state, losses = optimizer.init(adapters), []
+  """Plain training of the adapters: jax.grad of the whole model's loss, then optax, on the full batch. Returns the
+  steps' losses, the adapters after them and the gradient of each step."""
+  opt_state, losses, gradients = optimizer.init(adapters), [], []
   for batch in batches:
     loss, grads = _value_and_grad(model)(adapters, base, batch)
     updates, opt_state = optimizer.update(grads, opt_state, adapters)
     adapters = optax.apply_updates(adapters, updates)
     losses.append(float(loss))
-  return losses, adapters
+    gradients.append(grads)
+  return losses, adapters, gradients
 
 
 # (family, sub-batches, layers per group): few compiled shapes, so examples reuse them; what compiles nothing new
@@ -105,7 +108,7 @@ def test_engine_lora_steps_equal_plain_lora_steps_and_leave_the_base_alone(case)
   base = engine.base_params()
   adapters = _random_adapters(model, base["layers"], seed)
   batches = [make_batch(rng, 8, 8) for _ in range(2)]
-  want_losses, want_adapters = _reference(model, optimizer, base, adapters, batches)
+  want_losses, want_adapters, _ = _reference(model, optimizer, base, adapters, batches)
 
   state, got_losses = _steps(engine, adapters, batches)
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
@@ -153,7 +156,7 @@ def test_steps_on_a_quantized_base_equal_plain_lora_steps_on_the_dequantized_bas
   adapters = _random_adapters(model, dequantized["layers"], bits)
   rng = np.random.default_rng(bits)
   batches = [make_batch(rng, 8, 8) for _ in range(2)]
-  want_losses, want_adapters = _reference(plain, optimizer, dequantized, adapters, batches)
+  want_losses, want_adapters, _ = _reference(plain, optimizer, dequantized, adapters, batches)
   state, got_losses = _steps(engine, adapters, batches)
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
   assert rel_error(engine.adapters(state), want_adapters) <= 1e-5
@@ -163,6 +166,77 @@ def test_steps_on_a_quantized_base_equal_plain_lora_steps_on_the_dequantized_bas
   jax.tree.map(np.testing.assert_array_equal, engine.base_params(), base)  # bit for bit
   # The step ran on the codes: the same step on the unquantized base ends elsewhere.
   assert rel_error(engine.adapters(state), _reference(plain, optimizer, params, adapters, batches)[1]) > 1e-3
+
+
+def _recording_gradients(engine) -> list:
+  """The gradient each of the engine's steps hands its optimizer, stacked over all layers (numpy), recorded as it
+  steps; each checked whole and the same on every device of the engine's mesh."""
+  gradients, update = [], engine._update
+
+  def record(adapters, opt_state, grads, loss):
+    for x in jax.tree.leaves(grads):
+      first, *others = (np.asarray(shard.data) for shard in x.addressable_shards)
+      assert x.sharding.is_fully_replicated and len(others) == engine.place.mesh.size - 1
+      for other in others:
+        np.testing.assert_array_equal(other, first)
+    gradients.append(jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *grads))
+    return update(adapters, opt_state, grads, loss)
+
+  engine._update = record
+  return gradients
+
+
+@pytest.mark.parametrize("bits, optimizer_name, clip, meshes", [
+    (0, "sgd", 0.0, (2, 4)), pytest.param(4, "adamw", 0.05, (2,), marks=pytest.mark.slow)])
+def test_lora_steps_over_a_data_mesh_are_one_devices_and_the_plain_steps(bits, optimizer_name, clip, meshes):
+  """Data parallel (--mesh=data:N): every device holds the whole base and adapters and runs its rows of each
+  sub-batch; each group's adapter gradient is all-reduced once. Two steps with a streamed group, the stash in pinned
+  host memory, 2 sub-batches and a residual-keeping tail, on an unquantized and an int4 base: the losses, the gradient
+  the optimizer takes (whole, the same on every device) and the adapters after them are one device's and the plain
+  jax.grad + optax steps' on the full batch (fp32, 1e-5); a mesh's second step compiles nothing, and its devices
+  exchange the all-reduces' bytes. Without the all-reduce, the optimizer would take device 0's part of the gradient:
+  far from the whole batch's."""
+  model, plain = _model("llama", rank=4, base_bits=bits), _model("llama", rank=4)
+  optimizer, cfg = _optimizer(optimizer_name, clip), LoraEngineConfig(sub_batches=2, resident_layers=3, tail_layers=2)
+  params = model.base.init(jax.random.key(bits))
+  rng = np.random.default_rng(bits)
+  batches = [make_batch(rng, 8, 8) for _ in range(2)]
+  runs, compiles = {}, []
+  count = lambda event, seconds, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
+  for devices in (1, *meshes):
+    engine = LoraEngine(model, optimizer, cfg, Placement(make_mesh({"data": devices})))
+    engine.load_base(params)
+    if devices == 1:
+      base = engine.base_params()
+      dequantized = {"outer": base["outer"], "layers": dequantize_layers(base["layers"], jnp.float32)}
+      adapters = _random_adapters(model, dequantized["layers"], bits)
+    assert not all(engine.resident)  # a group streams from pinned host memory
+    gradients = _recording_gradients(engine)
+    state, losses = _steps(engine, adapters, batches[:1])
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+      state, loss = engine.step(state, batches[1])
+    finally:
+      jax.monitoring.unregister_event_duration_listener(count)
+    runs[devices] = losses + [float(loss)], gradients, engine.adapters(state)
+    jax.tree.map(np.testing.assert_array_equal, engine.base_params(), base)
+    grad_bytes = sum(x.nbytes for x in jax.tree.leaves(gradients[0])) + 4  # the loss too
+    assert engine.place.moved["between_devices"] == 2 * 2 * (devices - 1) * grad_bytes  # 2 steps, ring all-reduces
+  assert compiles == []
+  want_losses, want_adapters, want_gradients = _reference(plain, optimizer, dequantized, adapters, batches)
+  for devices, (losses, gradients, got_adapters) in runs.items():
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    np.testing.assert_allclose(losses, runs[1][0], rtol=1e-5)
+    for got, one, want in zip(gradients, runs[1][1], want_gradients, strict=True):
+      assert rel_error(got, want) <= 1e-5 and rel_error(got, one) <= 1e-5, devices
+    assert rel_error(got_adapters, want_adapters) <= 1e-5 and rel_error(got_adapters, runs[1][2]) <= 1e-5, devices
+
+  # The same mesh engine with each device's slot left unsummed: device 0's part of the gradient, a test that would
+  # pass it would pass an engine that never reduces.
+  object.__setattr__(engine.place, "reduce", lambda per_device, sharded=True: engine.place.to_device(
+      jax.tree.map(lambda x: np.asarray(x)[0], per_device)))
+  _steps(engine, adapters, batches[:1])
+  assert rel_error(gradients[-1], want_gradients[0]) > 0.1
 
 
 def test_a_plan_keeps_more_of_a_quantized_base_resident():
@@ -359,6 +433,26 @@ def test_in_flight_waits_for_the_output_limit_calls_back_unless_donated_since():
     assert [x.waited for x in outputs] == [n >= 2, False, n >= 4, False, False]
 
 
+def test_a_plan_over_a_data_mesh_is_each_devices_plan_for_its_rows():
+  """Over data:2 each device holds the whole base and adapters and runs half the rows: the plan for batch 8 is one
+  device's plan for batch 4 (its bytes, tiers and times, a device's budget), its batch the whole; a batch it leaves
+  open is rows x devices."""
+  model = _model("llama", rank=2, num_layers=8)
+  roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, sub_batches=2, tail_layers=0)
+  layer = roomy.device_bytes["resident base layers"] // 8
+  budget = Budget(device_bytes=sum(roomy.device_bytes.values()) - 2 * layer, host_bytes=GIB)  # part streams
+  one = plan_lora(model, 8, budget, batch=4, sub_batches=2, tail_layers=0)
+  two = plan_lora(model, 8, budget, batch=8, sub_batches=2, tail_layers=0, devices=2)
+  assert one.engine.resident_layers < 8 and (two.batch, two.rows, two.devices) == (8, 4, 2)
+  assert (two.engine, two.device_bytes, two.host_bytes, two.phases) == (one.engine, one.device_bytes, one.host_bytes,
+                                                                        one.phases)
+  assert "batch 8 (4 rows x 2 devices, each with the whole base) as 2 sub-batches" in two.describe()
+  open_batch = lambda devices: plan_lora(model, 8, budget, sub_batches=2, max_rows=4, tail_layers=0, devices=devices)
+  assert open_batch(2).batch == 2 * open_batch(1).batch
+  with pytest.raises(ValueError, match="batch 12 does not split into 2 sub-batches x 4 devices"):
+    plan_lora(model, 8, budget, batch=12, sub_batches=2, devices=4)
+
+
 def test_plan_streams_what_the_device_cannot_hold_and_its_engine_runs():
   model = _model("llama", rank=2, num_layers=8)
   roomy = plan_lora(model, 8, Budget(device_bytes=GIB, host_bytes=GIB), batch=4, tail_layers=0)
@@ -415,9 +509,10 @@ def test_flops_per_token_are_xlas_count_of_the_steps_compiled_calls():
   outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
   per_token = lambda lowered: lowered.compile().cost_analysis()["flops"] / seq
   forward = per_token(calls.forward.lower(base, adapters, x))
-  backward = per_token(calls.backward.lower(base, adapters, x, x, adapters))  # recompute + backward
+  grads = jax.eval_shape(calls.zeros, adapters)  # the accumulators: a slot per device (one here)
+  backward = per_token(calls.backward.lower(base, adapters, x, x, grads))  # recompute + backward
   last = per_token(calls.last_group.lower(base, adapters, outer, x, array(1, seq, dtype=jnp.int32), array(1, seq),
-                                          array(), adapters))  # forward, head, backward: nothing recomputed
+                                          array(), grads))  # forward, head, backward: nothing recomputed
   # The backward alone, from the forward's residuals: the backward call without its recompute.
   pullback = jax.eval_shape(lambda base, adapters, x: jax.vjp(
       lambda adapters, x: model.layers(join_adapters(base, adapters), x), adapters, x)[1], base, adapters, x)

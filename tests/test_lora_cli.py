@@ -97,6 +97,23 @@ def test_tensorboard_has_mfu_without_the_recompute_and_hfu_with_it(trained):
   assert flops.hardware > flops.model
 
 
+def test_lora_over_a_data_mesh_trains_as_on_one_device_and_resumes(tmp_path, trained):
+  """--mesh=data:2: each device holds the whole base and adapters and takes half of each batch's rows. Its losses
+  are the one-device run's (the fixture's; fp32, 1e-5); its checkpoint resumes on the mesh, and so does the one-device
+  run's, to the same next step."""
+  mesh = [f"--hf_dir={trained.hf_dir}", *LORA, "--mesh=data:2"]
+  history = run_train(f"--workdir={tmp_path / 'mesh'}", *mesh, "--steps=2")
+  np.testing.assert_allclose([history[n] for n in (1, 2)], [trained.history[n] for n in (1, 2)], rtol=1e-5)
+  resumed = run_train(f"--workdir={tmp_path / 'mesh'}", *mesh, "--steps=3")
+  shutil.copytree(trained.workdir, tmp_path / "one")
+  from_one_device = run_train(f"--workdir={tmp_path / 'one'}", *mesh, "--steps=3")
+  assert sorted(resumed) == sorted(from_one_device) == [3]
+  assert from_one_device[3] == pytest.approx(resumed[3], rel=1e-5)
+  for a, b in zip(*(sorted(read_adapters(open_checkpoint(str(tmp_path / name))).items()) for name in ("mesh", "one"))):
+    for leaf in ("lora_a", "lora_b"):
+      np.testing.assert_allclose(a[1][leaf], b[1][leaf], rtol=1e-5, atol=1e-7)
+
+
 def test_a_resume_keeps_the_layer_groups_its_adapters_are_laid_out_by(tmp_path, trained):
   """The checkpoint's adapters are a leaf per layer group: left to choose, the plan would group the tiny base
   otherwise (a tail of both layers), so a resume takes the saved groups; asking for others is refused in one line
@@ -168,8 +185,10 @@ BAD_FLAGS = {  # flags -> the one line's message
     "--lora_alpha shape LoRA fine-tuning: add --lora_rank": ["--lora_alpha=8"],
     "--base_bits shape LoRA fine-tuning: add --lora_rank": ["--base_bits=4"],
     "--base_bits must be 8 or 4 (0: the base unquantized), got 16": ["--lora_rank=4", "--base_bits=16"],
-    "--engine=offload shape full training; --lora_rank fine-tunes on one device": ["--lora_rank=4",
-                                                                                  "--engine=offload"],
+    "--engine=offload shape full training; --lora_rank fine-tunes through the LoRA engine": ["--lora_rank=4",
+                                                                                          "--engine=offload"],
+    "--mesh=data:2,fsdp:2 shape full training; --lora_rank fine-tunes through the LoRA engine, on one device or data "
+    "parallel (--mesh=data:N, the whole frozen base on every device)": ["--lora_rank=4", "--mesh=data:2,fsdp:2"],
     "--parked_grads_dtype=bfloat16 shape full training": ["--lora_rank=4", "--parked_grads_dtype=bfloat16"],
 }
 

@@ -9,6 +9,14 @@
       inputs back; recompute + backward of every sub-batch: input gradients and adapter gradients, none for the base
   one optax update of every adapter at once, on the device
 
+Over a data-parallel mesh (sljax.mesh's data axis; fsdp 1) every device holds the whole base and the whole trainable
+state, and every sub-batch is split over the devices, as full training splits it (sljax.schedule): each device runs
+its own rows through every call with no collective, adding its rows' part of the adapters' gradient (the loss is the
+whole batch's weighted mean, so the parts sum to it) to a per-device slot; once a group's gradient is complete, ONE
+all-reduce sums its slots (Placement.reduce) while the next group's backward runs, and each device applies the same
+update to its copy. Each device sends 2 (n-1)/n of the adapters' fp32 gradient (and of the 4-byte loss) per step; its
+PCIe traffic is the single-device schedule's for its rows.
+
 The base has no master copy, no gradient and no optimizer state: it is held by the engine (`load_base` / `init_base`)
 in the dtypes its layers run in (with LoraConfig.base_bits, its kernels as int8 / int4 codes and scales, quantized
 once as each group is loaded and dequantized inside every call that runs the group: forward, recompute and input
@@ -30,8 +38,8 @@ from flax import traverse_util
 from models.common import layer_compute_dtypes, loss_denominator, params_reader
 from sljax.generate import layer_groups
 from sljax.lora.model import LoraModel, join_adapters, split_adapters
-from sljax.memory import InFlight, Placement, prefetch
-from sljax.mesh import check_batch
+from sljax.memory import InFlight, Placement, accumulate, prefetch
+from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 from sljax.metrics import StepFlops, step_flops
 from sljax.quant import QuantConfig, quantize_layers
 from sljax.schedule import check_training_batch
@@ -87,7 +95,8 @@ def lora_groups(num_layers: int, cfg: LoraEngineConfig) -> tuple[list[tuple[int,
 
 
 class LoraEngine:
-  """Fine-tunes the adapters of `model` (a LoraModel) layer-major with `optimizer`, on one device.
+  """Fine-tunes the adapters of `model` (a LoraModel) layer-major with `optimizer`, on one device or data parallel
+  over the devices of `placement`'s mesh (data:D; the whole base and adapters on every device).
 
     engine = LoraEngine(LoraModel(model, LoraConfig(rank=16)), optax.adamw(1e-4), LoraEngineConfig(...))
     engine.load_base(base_params)           # or init_base(key): {"outer", "layers"} of the base model, or a reader
@@ -111,21 +120,30 @@ class LoraEngine:
                        f"device; got {cfg.tail_layers}")
     self.model, self.optimizer, self.cfg = model, optimizer, cfg
     self.place = placement or Placement.single()
-    if self.place.mesh.size != 1:
-      raise ValueError(f"LoRA fine-tuning runs on one device; the placement's mesh has {self.place.mesh.size}")
+    if self.place.fsdp != 1:
+      raise ValueError(f"LoRA fine-tuning runs data parallel, the whole base and adapters on every device; the "
+                       f"placement's mesh splits weights over fsdp:{self.place.fsdp}")
     self.groups, self.resident = lora_groups(num_layers, cfg)
     self.base = None  # {"outer": on the device, "groups": [group g's base layers, on the device or pinned host]}
+    # Per-sub-batch calls see the whole base and adapters and this device's rows; outputs are rows or per-device
+    # slots (the loss's part and the adapters' gradient accumulators, summed over the mesh by Placement.reduce).
+    local, whole, rows = self.place.local, REPLICATED, PER_DEVICE
     layers = lambda base, adapters, x: model.layers(join_adapters(base, adapters), x)
-    self._embed = jax.jit(model.embed)
-    self._forward = jax.jit(layers)
-    self._last_group = jax.jit(self._last_group_fn, donate_argnums=(3, 7))
-    self._backward = jax.jit(self._backward_fn, donate_argnums=(2, 4))
-    self._last_group_loss = jax.jit(self._last_group_loss_fn)
-    self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))
-    self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
-    self._hold = jax.jit(lambda stacked: held_base(model, stacked))
-    self._init_base_layers = jax.jit(lambda keys: held_base(model, model.base.init_layers(keys)))
-    self._init_outer = jax.jit(model.base.init_outer)
+    self._embed = local(model.embed, (whole, rows), rows)
+    self._forward = local(layers, (whole, whole, rows), rows)
+    self._last_group = local(self._last_group_fn, (whole, whole, whole, rows, rows, rows, whole, rows), rows,
+                             donate=(3, 7))
+    self._backward = local(self._backward_fn, (whole, whole, rows, rows, rows), rows, donate=(2, 4))
+    self._last_group_loss = local(self._last_group_loss_fn, (whole, whole, whole, rows, rows, rows, whole), rows)
+    # Laid out as the state it replaces (replicated), so that the next step compiles nothing.
+    self._update = jax.jit(self._update_fn, donate_argnums=(0, 1), out_shardings=self.place.device())
+    self._zeros = self.place.zero_slots
+    # The base is made whole on every device of the mesh (no process places another's devices' parts).
+    whole_on_devices = self.place.device()
+    self._hold = jax.jit(lambda stacked: held_base(model, stacked), out_shardings=whole_on_devices)
+    self._init_base_layers = jax.jit(lambda keys: held_base(model, model.base.init_layers(keys)),
+                                     out_shardings=whole_on_devices)
+    self._init_outer = jax.jit(model.base.init_outer, out_shardings=whole_on_devices)
 
   # ---- jitted pieces -------------------------------------------------------------------------------------------
 
@@ -135,16 +153,16 @@ class LoraEngine:
       return self.model.head_loss(outer, h, targets, weights) * inv_total
 
     loss, (d_adapters, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1))(adapters, x)
-    return loss, dx, jax.tree.map(jnp.add, grads, d_adapters)
+    return loss[None], dx, accumulate(grads, d_adapters)  # loss: this device's rows' part
 
   def _last_group_loss_fn(self, base, adapters, outer, x, targets, weights, inv_total):
     h = self.model.layers(join_adapters(base, adapters), x)
-    return self.model.head_loss(outer, h, targets, weights) * inv_total
+    return (self.model.head_loss(outer, h, targets, weights) * inv_total)[None]  # this device's rows' part
 
   def _backward_fn(self, base, adapters, x, dy, grads):
     _, vjp = jax.vjp(lambda adapters, x: self.model.layers(join_adapters(base, adapters), x), adapters, x)
     d_adapters, dx = vjp(dy)
-    return dx, jax.tree.map(jnp.add, grads, d_adapters)
+    return dx, accumulate(grads, d_adapters)
 
   def _update_fn(self, adapters, opt_state, grads, loss):
     """The optimizer's update of every adapter, or (a non-finite loss or gradient) the state unchanged."""
@@ -157,7 +175,8 @@ class LoraEngine:
   def calls(self) -> "LoraCalls":
     """The step's jitted calls: the plan sizes them (compiled memory analysis, sljax.lora.plan); their compiled FLOPs
     are what lora_flops_per_token counts (tests/test_lora.py)."""
-    return LoraCalls(forward=self._forward, last_group=self._last_group, backward=self._backward, hold=self._hold)
+    return LoraCalls(forward=self._forward, last_group=self._last_group, backward=self._backward, zeros=self._zeros,
+                     hold=self._hold)
 
   # ---- the frozen base -----------------------------------------------------------------------------------------
 
@@ -234,12 +253,13 @@ class LoraEngine:
     return self.place.to_device(x) if self.cfg.activations_on_host else x
 
   def _sub_batches(self, batch: dict):
-    """(tokens, targets, loss weights) of each sub-batch on the device, and 1 / the whole batch's weight (the loss
-    is the weighted mean over the whole batch). Checks the batch."""
+    """(tokens, targets, loss weights) of each sub-batch, its rows split over every device, and 1 / the whole batch's
+    weight (the loss is the weighted mean over the whole batch). Checks the batch."""
     n = self.cfg.sub_batches
     check_batch(check_training_batch(batch, self.model.cfg), n, self.place.mesh)
-    tokens, targets, loss_weights = ([self.place.to_device(part) for part in np.split(np.asarray(batch[key]), n)]
-                                     for key in ("inputs", "targets", "weights"))
+    tokens, targets, loss_weights = (
+        [self.place.to_device(part, PER_DEVICE) for part in np.split(np.asarray(batch[key]), n)]
+        for key in ("inputs", "targets", "weights"))
     inv_total = np.float32(1) / loss_denominator(np.sum(np.asarray(batch["weights"], np.float32), dtype=np.float32))
     return tokens, targets, loss_weights, inv_total
 
@@ -276,7 +296,7 @@ class LoraEngine:
       cotangents.append(dx)
     pace.add(cotangents[-1])
     del level
-    grads[last] = acc
+    grads[last] = self.place.reduce(acc, sharded=False)  # the group's one all-reduce, behind the next group's backward
 
     for g in range(last - 1, -1, -1):
       w, acc, dxs = next(stream), self._zeros(adapters[g]), []
@@ -284,10 +304,10 @@ class LoraEngine:
         dx, acc = self._backward(w, adapters[g], x, dy, acc)
         dxs.append(dx)
       pace.add(dxs[-1])
-      cotangents, grads[g] = dxs, acc
+      cotangents, grads[g] = dxs, self.place.reduce(acc, sharded=False)
     del cotangents
 
-    loss = sum(losses)
+    loss = self.place.reduce(sum(losses), sharded=False)
     new_adapters, new_opt, ok = self._update(adapters, state["opt"], grads, loss)
     return ({"step": state["step"] + ok.astype(jnp.int32), "adapters": new_adapters, "opt": new_opt},
             jnp.where(ok, loss, jnp.nan))
@@ -309,14 +329,17 @@ class LoraEngine:
       level = [self._forward(w, adapters[g], x) for x in level]
       pace.add(level[-1])
     w = next(stream)
-    return sum(self._last_group_loss(w, adapters[last], outer, x, targets[s], loss_weights[s], inv_total)
-               for s, x in enumerate(level))
+    return self.place.reduce(sum(self._last_group_loss(w, adapters[last], outer, x, targets[s], loss_weights[s],
+                                                       inv_total) for s, x in enumerate(level)), sharded=False)
 
 
 class LoraCalls(NamedTuple):
   """Pieces of `LoraEngine.step`; x, dy: one sub-batch's hidden states, base and adapters: one group's."""
 
   forward: Callable  # (base, adapters, x) -> y: a group's forward (every group but the last)
-  last_group: Callable  # (base, adapters, outer, x, targets, weights, 1 / total weight, grads) -> (loss, dx, grads)
+  # (base, adapters, outer, x, targets, weights, 1 / total weight, grads) -> (this device's part of the loss, one slot
+  # per device; dx; grads)
+  last_group: Callable
   backward: Callable  # (base, adapters, x, dy, grads) -> (dx, grads): recompute + backward of a group
+  zeros: Callable  # a group's adapters -> their fp32 gradient accumulators, one slot per device (Placement.zero_slots)
   hold: Callable  # stacked base layers -> the same as the engine holds them (held_base)

@@ -1,4 +1,5 @@
-"""plan_lora: how the LoRA engine runs on one device within a device and a pinned host budget."""
+"""plan_lora: how the LoRA engine runs on one device within a device and a pinned host budget; over a data-parallel
+mesh, how each device runs its rows within its own budgets (every device holds the whole base and adapters)."""
 
 from typing import NamedTuple
 
@@ -23,7 +24,7 @@ STREAMED_IN_FLIGHT = 3
 
 class LoraPlan(NamedTuple):
   engine: LoraEngineConfig
-  batch: int  # rows per step
+  batch: int  # rows per step, over all devices
   device_bytes: dict
   host_bytes: dict
   # The forward pass and the backward pass (recompute + input gradients: twice the forward's compute); each copies
@@ -33,6 +34,12 @@ class LoraPlan(NamedTuple):
   machine: Machine
   base_bits: int = 0  # LoraConfig.base_bits: the resident and streamed base layers' kernels as codes and scales
   layers: int = 0  # the model's
+  devices: int = 1  # the data-parallel mesh's: each takes batch / devices rows, the bytes and times are one device's
+
+  @property
+  def rows(self) -> int:
+    """Rows per step on each device."""
+    return self.batch // self.devices
 
   @property
   def last_layers(self) -> int:
@@ -56,8 +63,9 @@ class LoraPlan(NamedTuple):
   def describe(self) -> str:
     e = self.engine
     stash = "in pinned host" if e.activations_on_host else "on the device"
+    rows = f" ({self.rows} rows x {self.devices} devices, each with the whole base)" if self.devices > 1 else ""
     return "\n".join([
-        f"LoRA plan: batch {self.batch} as {e.sub_batches} sub-batches, {e.resident_layers} base layers resident "
+        f"LoRA plan: batch {self.batch}{rows} as {e.sub_batches} sub-batches, {e.resident_layers} base layers resident "
         f"(the rest stream), {e.live_layers} per group, activations {stash}"
         + (f"; the base's kernels as int{self.base_bits} codes with scales" if self.base_bits else "")
         + (f"; the last {e.tail_layers} layers one group that keeps its residuals (not recomputed)"
@@ -81,7 +89,7 @@ def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, 
   compiles them."""
 
   def lowered():
-    step = LoraEngine(model, optax.sgd(0.0), LoraEngineConfig(live_layers=live_layers)).calls
+    step = LoraEngine(model, optax.sgd(0.0), LoraEngineConfig(live_layers=live_layers)).calls  # one device's
     shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
     x = shape(rows, seq_len, model_sizes(model.base).hidden)
 
@@ -91,11 +99,12 @@ def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, 
 
     base, adapters = stacked(last_layers)
     outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
+    grads = lambda adapters: jax.eval_shape(step.zeros, adapters)
     calls = [step.last_group.lower(base, adapters, outer, x, shape(rows, seq_len, dtype=jnp.int32),
-                                   shape(rows, seq_len, dtype=jnp.float32), shape(dtype=jnp.float32), adapters)]
+                                   shape(rows, seq_len, dtype=jnp.float32), shape(dtype=jnp.float32), grads(adapters))]
     if model.cfg.num_layers > last_layers:
       base, adapters = stacked(live_layers)
-      calls.append(step.backward.lower(base, adapters, x, x, adapters))
+      calls.append(step.backward.lower(base, adapters, x, x, grads(adapters)))
     return calls
 
   return compiled_peak((type(model.base), model.cfg, model.lora, live_layers, last_layers, rows, seq_len), lowered)
@@ -103,7 +112,7 @@ def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, 
 
 def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, sub_batches: int = 0,
               live_layers: int = 1, max_rows: int = 256, optimizer: optax.GradientTransformation | None = None,
-              target: Machine | None = None, tail_layers: int | None = None) -> LoraPlan:
+              target: Machine | None = None, tail_layers: int | None = None, devices: int = 1) -> LoraPlan:
   """How the engine runs on one device: sub-batches of about SUB_BATCH_TOKENS tokens; the group-boundary
   activations on the device when everything fits there, else in pinned host memory; as many base layers resident as
   the device holds beside the adapters' state, the activations and the compiled calls' peak (the rest stream from
@@ -111,7 +120,9 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
   Then, where the whole base stays on the device, a tail (LoraEngineConfig.tail_layers; tail_layers: that one, 0
   none) as long as the memory left holds: its layers keep their residuals instead of being recomputed.
   target: plan for one GPU of that machine (its rates; made on a CPU, the calls' compiled peak corrected by
-  sljax.plan.gpu_peak_from_cpu, an estimate) instead of for this process's device. ValueError when nothing fits."""
+  sljax.plan.gpu_peak_from_cpu, an estimate) instead of for this process's device. devices: the data-parallel mesh's
+  size; the batch is then rows x devices, every device takes its rows of each sub-batch (max_rows: per device), and
+  the plan is each device's, within `budget` (one device's). ValueError when nothing fits."""
   sizes = model_sizes(model.base)
   machine = machine_for(target)
   on_cpu = jax.devices()[0].platform == "cpu"
@@ -130,9 +141,9 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
     raise ValueError(f"tail_layers must be in 0..{layers} (the model's layers), got {tail_layers}")
 
   def layout(rows: int, n: int, tail: int) -> LoraPlan | None:
-    """The plan for rows in n sub-batches whose step copies the fewest bytes: the stash on the device costs base
-    layers that must then stream (twice per step each), the stash in host memory costs its own copies out and in.
-    A tail (tail > 0) only where the whole base stays on the device."""
+    """The plan for rows (each device's) in n sub-batches whose step copies the fewest bytes: the stash on the device
+    costs base layers that must then stream (twice per step each), the stash in host memory costs its own copies out
+    and in. A tail (tail > 0) only where the whole base stays on the device."""
     groups = lora_groups(layers, LoraEngineConfig(n, live_layers, tail, tail_layers=tail))[0]
     last_layers = groups[-1][1] - groups[-1][0]
     sub = rows // n
@@ -161,15 +172,15 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
       device[f"streamed base groups ({STREAMED_IN_FLIGHT} in flight)"] = in_flight if streamed else 0
       out = stash if on_host else 0
       phases = {"forward": Pass(forward, streamed * layer, out), "backward": Pass(backward, streamed * layer + out, 0)}
-      plans.append(LoraPlan(LoraEngineConfig(n, live_layers, resident, on_host, tail), rows, device, host, phases,
-                            budget, machine, model.lora.base_bits, layers))
+      plans.append(LoraPlan(LoraEngineConfig(n, live_layers, resident, on_host, tail), rows * devices, device, host,
+                            phases, budget, machine, model.lora.base_bits, layers, devices))
     return min(plans, key=lambda plan: plan.copy_seconds, default=None)
 
   def longest_tail(plan: LoraPlan) -> LoraPlan:
     """The plan with the longest tail the device memory left over holds, the base still all resident and the
     activations no further from the device (the plan itself where no tail does): a first guess from the bytes one
     more layer adds, then a layer at a time down or up to the longest whose compiled peaks fit."""
-    rows, n, first = plan.batch, plan.engine.sub_batches, plan.last_layers
+    rows, n, first = plan.rows, plan.engine.sub_batches, plan.last_layers
     plans = {}
 
     def fits(tail: int) -> bool:
@@ -196,11 +207,14 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
             f"memory" + (f" with a tail of {tail_layers} layers (the whole base on the device)" if tail_layers else ""))
   tail = tail_layers or 0
   if batch:
-    if sub_batches and batch % sub_batches:
-      raise ValueError(f"LoRA: batch {batch} does not split into {sub_batches} sub-batches")
-    best = layout(batch, split(batch), tail)
+    if batch % (devices * (sub_batches or 1)):
+      parts = [f"{sub_batches} sub-batches"] * bool(sub_batches) + [f"{devices} devices"] * (devices > 1)
+      raise ValueError(f"LoRA: batch {batch} does not split into {' x '.join(parts)}")
+    rows = batch // devices
+    best = layout(rows, split(rows), tail)
     if best is None:
-      raise ValueError(f"LoRA: batch {batch} x {seq_len} tokens does not fit {memory}")
+      each = f" ({rows} rows on each of {devices} devices)" if devices > 1 else ""
+      raise ValueError(f"LoRA: batch {batch} x {seq_len} tokens{each} does not fit {memory}")
   else:
     best, step = None, sub_batches or per_call
     for rows in range(step, max_rows + 1, step):
@@ -211,5 +225,5 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
       if plan.compute_bound:
         break
     if best is None:
-      raise ValueError(f"LoRA: not even {step} rows of {seq_len} tokens fit {memory}")
+      raise ValueError(f"LoRA: not even {step} rows of {seq_len} tokens{' per device' * (devices > 1)} fit {memory}")
   return longest_tail(best) if tail_layers is None else best
