@@ -44,6 +44,9 @@ class Machine:
   generation_flops: float  # FLOP/s the generator's layer calls reach (few tokens per row: far from peak)
   memory_bytes_per_s: float  # device memory reads
   dispatch_seconds: float  # host time per jitted call
+  # Once-a-step work per parameter (each group's optimizer update, clipping's norm, the embeddings' and head's update):
+  # the part of a training step that does not grow with its rows
+  update_seconds_per_param: float = 0.0
 
   @property
   def pinned_bytes(self) -> int:
@@ -59,18 +62,24 @@ _H200_MEMORY, _H200_ALLOCATOR = 143_771 * MIB, int(135.6 * GIB)
 # host memory at 53 / 54 GB/s, 85 GB/s in total both ways at once (benchmarks/results/generate_h200.json, with 2 GiB
 # buffers: 53.5 each way, 99 both ways), the llama13b layer kernels at ~70% of peak with cuDNN flash attention,
 # ~43 us per dispatch (rounded up). Assumed: the generator's 600 TFLOP/s (below the 632 an 8192^3 bf16 matmul
-# reaches there) and 4.0 TB/s of memory reads (below the data sheet's 4.8). Peak from the data sheet.
+# reaches there) and 4.0 TB/s of memory reads (below the data sheet's 4.8). Peak from the data sheet. Once-a-step
+# work: train.py --model=llama13b --moments_dtype=int8 with the same placement (39 of 40 groups' state on the device, a
+# tail of 2) took 2.95 s a step at batch 8 and 11.13 s at batch 32 (benchmarks/results/train_py_llama13b_int8_moments_
+# h200.json, ..._batch32_h200.json): 0.341 s a row and 0.218 s a step, 16.8 ps for each of its 13.0 B params. The same
+# rate is assumed for the other optimizers' states (not measured apart).
 _H200_SHEET_MEMORY_BYTES_PER_S = 4.8e12
 H200 = Machine("h200", "H200", _H200_MEMORY, _H200_ALLOCATOR, ram_bytes=128 * GIB, peak_flops=989e12,
                copy_bytes_per_s=53e9, copy_to_host_bytes_per_s=54e9, copy_both_bytes_per_s=85e9,
-               layer_efficiency=0.70, generation_flops=600e12, memory_bytes_per_s=4.0e12, dispatch_seconds=50e-6)
+               layer_efficiency=0.70, generation_flops=600e12, memory_bytes_per_s=4.0e12, dispatch_seconds=50e-6,
+               update_seconds_per_param=16.8e-12)
 
 
 def _like_h200(name: str, device_kind: str, memory_bytes: int, peak_flops: float, copy_bytes_per_s: float,
                memory_sheet_bytes_per_s: float) -> Machine:
   """A GPU not measured here, from its data sheet: its peak, one-way copy rate and memory bandwidth, each reaching
   what the H200's reach of theirs (the other copy rates, layer efficiency, generation FLOP/s and memory reads in the
-  H200's proportion); XLA's allocator share, dispatch time and 128 GiB of RAM per GPU as on the H200."""
+  H200's proportion, the once-a-step work in inverse proportion to the memory bandwidth); XLA's allocator share,
+  dispatch time and 128 GiB of RAM per GPU as on the H200."""
   copy = copy_bytes_per_s / H200.copy_bytes_per_s
   return dataclasses.replace(
       H200, name=name, device_kind=device_kind, memory_bytes=memory_bytes,
@@ -78,7 +87,8 @@ def _like_h200(name: str, device_kind: str, memory_bytes: int, peak_flops: float
       copy_bytes_per_s=copy_bytes_per_s, copy_to_host_bytes_per_s=copy * H200.copy_to_host_bytes_per_s,
       copy_both_bytes_per_s=copy * H200.copy_both_bytes_per_s,
       generation_flops=peak_flops * H200.generation_flops / H200.peak_flops,
-      memory_bytes_per_s=memory_sheet_bytes_per_s * H200.memory_bytes_per_s / _H200_SHEET_MEMORY_BYTES_PER_S)
+      memory_bytes_per_s=memory_sheet_bytes_per_s * H200.memory_bytes_per_s / _H200_SHEET_MEMORY_BYTES_PER_S,
+      update_seconds_per_param=H200.update_seconds_per_param * _H200_SHEET_MEMORY_BYTES_PER_S / memory_sheet_bytes_per_s)
 
 
 MACHINES: dict[str, Machine] = {

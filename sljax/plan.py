@@ -14,7 +14,7 @@ import optax
 
 from models.presets import build, get_config
 from sljax.footprint import (COMPUTE_MARGIN, MARGIN, SCRATCH, SUB_BATCH_TOKENS, Footprint, Pass, compiled_peak, compute_bound,
-                             machine_for, margin_bytes, pass_copy_seconds, step_seconds)
+                             for_gpu, machine_for, margin_bytes, pass_copy_seconds, step_seconds)
 from sljax.machines import GIB, REFERENCE, Budget, Machine
 from sljax.memory import tree_bytes
 from sljax.schedule import (Engine, EngineConfig, in_flight_bytes, retired_host_bytes,
@@ -22,6 +22,11 @@ from sljax.schedule import (Engine, EngineConfig, in_flight_bytes, retired_host_
 from sljax.sizes import model_sizes
 
 MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
+# The most of a step's compute that plan_batch lets the once-a-step work take (the update; Machine.
+# update_seconds_per_param). On the H200 it is 0.218 s for llama13b: 8.9% of a batch of 8 x 2048 (43.0% MFU), 2.2% of
+# 32 x 2048 (47.5%). Its share falls with the step's tokens alone (the update and the compute both grow with the
+# params): 3% is about 48K tokens a step there.
+ONCE_A_STEP_SHARE = 0.03
 
 # The measurements of compiled peaks on a GPU: llama13b, one layer per group, a sub-batch of 8 x 2048 rows, on the
 # H200, as XLA's temp + output bytes. The last group's call: 8.5 GiB ("compiled step peak" in the plans of
@@ -51,6 +56,7 @@ class Plan:
   fsdp: int = 1  # devices each group's state is split over
   machine: Machine = REFERENCE  # whose rates the times are predicted at
   layers: int = 0  # the model's
+  params: int = 0  # the parameters this device updates each step (its 1/fsdp share of the layers', all the outer)
 
   @property
   def bounds(self) -> list[tuple[int, int]]:
@@ -92,6 +98,11 @@ class Plan:
   @property
   def compute_bound(self) -> bool:
     return compute_bound(self.machine, list(self.phases.values()))
+
+  @property
+  def once_a_step_seconds(self) -> float:
+    """The step's work that does not grow with its rows (Machine.update_seconds_per_param): the update above all."""
+    return self.params * self.machine.update_seconds_per_param
 
   @property
   def rows(self) -> int:
@@ -366,20 +377,25 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   return Plan(
       engine=dataclasses.replace(cfg, activations_on_host=on_host, device_state_groups=device_groups), fsdp=fsdp,
       sub_batch_size=sub_batch, device_bytes=device_bytes, host_bytes=host_bytes, phases=phases, budget=budget,
-      machine=machine, layers=sizes.num_layers)
+      machine=machine, layers=sizes.num_layers,
+      params=sizes.num_layers * sizes.layer_params // fsdp + sizes.outer_params)
 
 
 def plan_batch(model, seq_len: int, budget: Budget, devices: int = 1, max_rows: int = MAX_ROWS, **plan_args
                ) -> tuple[Plan, str]:
-  """The plan for the smallest batch whose step is compute-bound (Plan.compute_bound) and fills at least one
-  sub-batch of `sub_batch_tokens` (fewer tokens per call leave the GPU's matmuls short of their speed, even with
-  nothing to copy), and one line saying why.
+  """The plan for the smallest batch whose step is compute-bound (Plan.compute_bound), fills at least one sub-batch
+  of `sub_batch_tokens` (fewer tokens per call leave the GPU's matmuls short of their speed, even with nothing to
+  copy) and, on a GPU, spends at most ONCE_A_STEP_SHARE of its compute on the work done once a step whatever its rows
+  (Plan.once_a_step_seconds: the update); and one line saying why.
 
   Rows per device are tried in powers of two (times the sub-batch count when plan_args fixes it) up to max_rows,
   until one is such or the next does not fit; when none is, the largest that fits. devices: the mesh size (the
   batch is rows x devices). plan_args go to make_plan. ValueError when not even the smallest fits."""
   rows, plans = max(plan_args.get("sub_batches", 0), 1), []
   full_sub_batch = plan_args.get("sub_batch_tokens", SUB_BATCH_TOKENS)
+  amortize = for_gpu(plan_args.get("target"))
+  fed = lambda p: p.compute_bound and p.rows * seq_len >= full_sub_batch
+  amortized = lambda p: not amortize or p.once_a_step_seconds <= ONCE_A_STEP_SHARE * p.compute_seconds
   while rows <= max_rows:
     try:
       plans.append(make_plan(model, seq_len, rows, budget, **plan_args))
@@ -387,18 +403,23 @@ def plan_batch(model, seq_len: int, budget: Budget, devices: int = 1, max_rows: 
       if not plans:
         raise
       break
-    if plans[-1].compute_bound and rows * seq_len >= full_sub_batch:
+    if fed(plans[-1]) and amortized(plans[-1]):
       break
     rows *= 2
   plan = plans[-1]
+  once = lambda p: f", once a step {p.once_a_step_seconds:.2f} s" if amortize else ""
   step = lambda p: ", ".join(f"{name} compute {phase.compute_seconds:.2f} s vs copies {p.copy_seconds(phase):.2f} s"
-                             for name, phase in p.phases.items())
+                             for name, phase in p.phases.items()) + once(p)
   batch = f"batch {plan.rows * devices} ({plan.rows} rows x {devices} device(s))"
   why = "the next does not fit" if rows <= max_rows else f"{max_rows} rows is the most tried"
-  if plan.compute_bound and plan.rows * seq_len >= full_sub_batch:
+  share = f" and at most {ONCE_A_STEP_SHARE:.0%} of its compute once a step (the update)" if amortize else ""
+  if fed(plan) and amortized(plan):
     smaller = f"; {plans[-2].rows} rows: {step(plans[-2])}" if len(plans) > 1 else ""
     return plan, (f"{batch}: the smallest whose step is compute-bound ({step(plan)}, margin {COMPUTE_MARGIN:g}x) "
-                  f"with at least {full_sub_batch} tokens{smaller}")
+                  f"with at least {full_sub_batch} tokens{share}{smaller}")
+  if fed(plan):
+    return plan, (f"{batch}: the largest that fits ({why}), its once-a-step work above {ONCE_A_STEP_SHARE:.0%} of "
+                  f"its compute ({step(plan)})")
   if plan.compute_bound:
     return plan, f"{batch}: the largest that fits ({why}), short of {full_sub_batch} tokens ({step(plan)})"
   return plan, f"{batch}: none is compute-bound, this is the largest that fits ({why}; {step(plan)})"

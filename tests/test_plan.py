@@ -226,6 +226,29 @@ def test_the_plan_chooses_the_smallest_compute_bound_batch(monkeypatch):
   assert why.startswith(f"batch {plan.rows} ({plan.rows} rows x 1 device(s)): the smallest"), why
 
 
+def test_on_a_gpu_the_batch_grows_until_the_once_a_step_work_is_a_small_share_of_its_compute(monkeypatch):
+  """The update runs once a step whatever its rows: on a GPU the plan doubles the batch until that work is at most
+  ONCE_A_STEP_SHARE of the step's compute (as on the H200, where llama13b's update took 8.9% of a batch of 8 x 2048);
+  a CPU plan, whose tiny models would grow without end, keeps the smallest fed batch."""
+  model = tiny_model(4, 32)
+  one_row_sub_batches = dict(sub_batch_tokens=8)  # every batch runs 1-row sub-batches: one compile for all
+  fast_copies = {rate: getattr(REFERENCE, rate) * 1e6 for rate in (
+      "copy_bytes_per_s", "copy_to_host_bytes_per_s", "copy_both_bytes_per_s")}
+  one_row = make_plan(model, 8, 1, HUGE, **one_row_sub_batches)
+  # The update's time is 6 rows' compute x the share: 4 rows leave it above the share, 8 below.
+  per_param = 6 * one_row.compute_seconds * planner.ONCE_A_STEP_SHARE / one_row.params
+  gpu = dataclasses.replace(REFERENCE, update_seconds_per_param=per_param, **fast_copies)
+  plan, why = plan_batch(model, 8, HUGE, target=gpu, **one_row_sub_batches)
+  assert plan.rows == 8, why
+  assert plan.once_a_step_seconds <= planner.ONCE_A_STEP_SHARE * plan.compute_seconds
+  smaller = make_plan(model, 8, 4, HUGE, target=gpu, **one_row_sub_batches)
+  assert smaller.compute_bound and smaller.once_a_step_seconds > planner.ONCE_A_STEP_SHARE * smaller.compute_seconds
+  assert "at most 3% of its compute once a step" in why, why
+  monkeypatch.setattr(footprint, "rates_of", lambda device_kind: gpu)  # this CPU's rates, no --target
+  plan, why = plan_batch(model, 8, HUGE, **one_row_sub_batches)
+  assert plan.rows == 1 and "once a step" not in why, why
+
+
 def test_a_target_gpu_is_planned_with_its_own_memory_and_rates():
   h200 = MACHINES["h200"]
   assert target_budget(h200) == Budget(int(135.6 * GIB), 96 * GIB)  # 3/4 of the 128 GiB assumed
