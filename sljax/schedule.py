@@ -125,7 +125,7 @@ def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: in
   weights_per_group = live * sizes.layer_weight_bytes  # gathered whole on every device while the group runs
   state_per_group = live * state_per_layer
   parked = live * sizes.layer_params * cfg.parked_bytes_per_param // fsdp
-  widest = max(live, last_layers) * sizes.layer_params * 4  # the largest group's fp32 gradient
+  grads = lambda layers: layers * sizes.layer_params * 4  # a group's fp32 gradient, whole
   footprint = {
       # Master weights, moments and the reduced gradient split over fsdp; under fsdp also the whole weights (gathered
       # per step) and the per-device gradient accumulator.
@@ -137,8 +137,10 @@ def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: in
                                          last_layers * sizes.layer_weight_bytes + weights_per_group * (groups > 1))
       + (weights_per_group // fsdp if fsdp > 1 else 0),
       # In backward one group's gradients accumulate (whole, on every device) while the next group's wait, reduced to
-      # this device's shard, for its deferred update.
-      "group grads (2)": widest + widest // fsdp,
+      # this device's shard, for its deferred update: the pairs of neighbours, so a long last group counts once
+      # (nothing waits while it accumulates, and it waits beside a group of live layers).
+      "group grads (2)": max(grads(last_layers), grads(live) + grads(last_layers) // fsdp if groups > 1 else 0,
+                             grads(live) + grads(live) // fsdp if groups > 2 else 0),
   }
   if host_state:
     # A host group's deferred update holds its state and writes the new state while the next group's arrives; the
