@@ -179,7 +179,7 @@ def _recording_gradients(engine) -> list:
       assert x.sharding.is_fully_replicated and len(others) == engine.place.mesh.size - 1
       for other in others:
         np.testing.assert_array_equal(other, first)
-    gradients.append(jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *grads))
+    gradients.append(jax.tree.map(np.asarray, grads))
     return update(adapters, opt_state, grads, loss)
 
   engine._update = record
@@ -190,7 +190,7 @@ def _recording_gradients(engine) -> list:
     (0, "sgd", 0.0, (2, 4)), pytest.param(4, "adamw", 0.05, (2,), marks=pytest.mark.slow)])
 def test_lora_steps_over_a_data_mesh_are_one_devices_and_the_plain_steps(bits, optimizer_name, clip, meshes):
   """Data parallel (--mesh=data:N): every device holds the whole base and adapters and runs its rows of each
-  sub-batch; each group's adapter gradient is all-reduced once. Two steps with a streamed group, the stash in pinned
+  sub-batch; the adapters' gradient is all-reduced once. Two steps with a streamed group, the stash in pinned
   host memory, 2 sub-batches and a residual-keeping tail, on an unquantized and an int4 base: the losses, the gradient
   the optimizer takes (whole, the same on every device) and the adapters after them are one device's and the plain
   jax.grad + optax steps' on the full batch (fp32, 1e-5); a mesh's second step compiles nothing, and its devices
@@ -506,12 +506,14 @@ def test_flops_per_token_are_xlas_count_of_the_steps_compiled_calls():
   x = array(1, seq, 256)  # one row: FLOPs per call = FLOPs per token x seq
   base = jax.eval_shape(lambda: calls.hold(model.base.init_layers(jax.random.split(jax.random.key(0), 1))))
   adapters = jax.eval_shape(model.init_adapters, jax.random.key(0), base)
-  outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
+  stack = jax.eval_shape(model.init_adapters, jax.random.key(0), jax.eval_shape(
+      lambda: model.base.init_layers(jax.random.split(jax.random.key(0), layers))))
+  outer, start = jax.eval_shape(model.base.init_outer, jax.random.key(0)), array(dtype=jnp.int32)
   per_token = lambda lowered: lowered.compile().cost_analysis()["flops"] / seq
-  forward = per_token(calls.forward.lower(base, adapters, x))
-  grads = jax.eval_shape(calls.zeros, adapters)  # the accumulators: a slot per device (one here)
-  backward = per_token(calls.backward.lower(base, adapters, x, x, grads))  # recompute + backward
-  last = per_token(calls.last_group.lower(base, adapters, outer, x, array(1, seq, dtype=jnp.int32), array(1, seq),
+  forward = per_token(calls.forward.lower(base, stack, start, x))
+  grads = jax.eval_shape(calls.zeros, stack)  # the accumulators: a slot per device (one here)
+  backward = per_token(calls.backward.lower(base, stack, start, x, x, grads))  # recompute + backward
+  last = per_token(calls.last_group.lower(base, stack, start, outer, x, array(1, seq, dtype=jnp.int32), array(1, seq),
                                           array(), grads))  # forward, head, backward: nothing recomputed
   # The backward alone, from the forward's residuals: the backward call without its recompute.
   pullback = jax.eval_shape(lambda base, adapters, x: jax.vjp(
