@@ -134,7 +134,8 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
   outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
   fixed = {MARGIN: margin_bytes(target),
            "embeddings+head (frozen)": tree_bytes(outer),
-           # master, gradients, the new master; the optimizer state and its new value
+           # each stacked over all layers, whatever the groups: master, gradients (one slot on each device), the new
+           # master; the optimizer state and its new value
            "adapters (master, grads, optimizer, update)":
                3 * tree_bytes(adapters) + 2 * tree_bytes(jax.eval_shape(optimizer.init, adapters))}
   if tail_layers is not None and not 0 <= tail_layers <= layers:
