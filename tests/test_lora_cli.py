@@ -129,7 +129,8 @@ def test_a_checkpoint_of_adapters_in_layer_groups_resumes_under_other_groups_as_
   assert open_checkpoint(str(grouped)).format == 1 and open_checkpoint(str(stacked)).format == 2
   saved = [read_adapters(open_checkpoint(str(workdir))) for workdir in (stacked, grouped)]
   jax.tree.map(np.testing.assert_array_equal, *saved)
-  other_groups = [flag for flag in LORA if not flag.startswith(("--live_layers", "--tail_layers"))] + ["--tail_layers=2"]
+  other_groups = [*(flag for flag in LORA if not flag.startswith(("--live_layers", "--tail_layers"))),
+                  "--tail_layers=2"]
   runs = [run_train(f"--hf_dir={trained.hf_dir}", f"--workdir={workdir}", *other_groups, "--steps=3")
           for workdir in (stacked, grouped)]
   assert sorted(runs[0]) == [3] and runs[1] == runs[0]

@@ -142,8 +142,8 @@ def groups_view(state, group_layers: list[int]) -> View:
   join = jax.jit(lambda parts: [jnp.concatenate(p) if stacked else p[0] for (stacked, _), p in zip(sources, parts)],
                  out_shardings=[leaf.sharding for _, leaf in flat])
   treedef = jax.tree.structure(state)
-  return View(leaves, arrays,
-              lambda placed: jax.tree.unflatten(treedef, join([[placed[i] for i in indices] for _, indices in sources])))
+  build = lambda placed: jax.tree.unflatten(treedef, join([[placed[i] for i in indices] for _, indices in sources]))
+  return View(leaves, arrays, build)
 
 
 class RandomBase:
