@@ -812,6 +812,15 @@ def saved_format(directory: str) -> tuple[str, int, set] | None:
   return step_dir, manifest["format"], {entry["path"][0] for entry in manifest["arrays"]}
 
 
+def saved_shapes(step_dir: str) -> dict[tuple, list[int]]:
+  """{pytree path: shape} of one checkpoint's arrays, from its manifest alone; CheckpointCorruptError (one line) when
+  it cannot be read."""
+  try:
+    return {tuple(entry["path"]): entry["shape"] for entry in read_manifest(os.path.join(step_dir, "state"))["arrays"]}
+  except Exception as error:
+    raise CheckpointCorruptError(_unreadable(step_dir, error)) from None
+
+
 def read_arrays(step_dir: str, wanted=lambda path: True) -> dict[tuple, np.ndarray]:
   """{pytree path: numpy array} of one checkpoint's training state (verified), for the paths `wanted` accepts."""
   handler = StateHandler()
@@ -880,14 +889,11 @@ def read_params(directory: str) -> SavedParams:
   """The newest checkpoint's model params under `directory` (a run's workdir or its checkpoints/) as a reader; only
   its metadata and manifest are read here. ValueError (one line) when there is none or it holds no model params."""
   step_dir, meta = newest_checkpoint(directory)
-  try:
-    paths = [(entry["path"], entry["shape"]) for entry in read_manifest(os.path.join(step_dir, "state"))["arrays"]]
-  except Exception as error:
-    raise CheckpointCorruptError(_unreadable(step_dir, error)) from None
+  paths = saved_shapes(step_dir).items()
   per_layer = [path[1] for path, _ in paths if path[0] == "layers"]
   if per_layer:
     return SavedParams(step_dir, meta, max(per_layer) + 1, None, per_layer=True)
-  stacked = [shape[0] for path, shape in paths if path[:2] == ["params", "layers"]]
+  stacked = [shape[0] for path, shape in paths if path[:2] == ("params", "layers")]
   masters = {path[1]: shape[0] for path, shape in paths if path[0] == "groups" and path[2] == "master"}
   if stacked:
     return SavedParams(step_dir, meta, stacked[0], None)

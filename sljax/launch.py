@@ -34,7 +34,7 @@ from sljax.mesh import check_batch, initialize_distributed, make_mesh, parse_mes
 from sljax.optim import RECIPES, OptimConfig, learning_rate_schedule, make_optimizer, recipe_for, run_decay_steps
 from sljax.plan import make_plan, plan_batch
 from sljax.request import FINE_TUNING_LEARNING_RATE, ClusterConfig, Configs, Job, LaunchConfig, Request
-from sljax.resume import check_lora_resume, check_resumable, lora_meta, resumed_lora_groups, resumed_moments
+from sljax.resume import check_lora_resume, check_resumable, lora_meta, resumed_moments
 from sljax.steps import check_fits, fine_tuned, lora_engine, make_step, training_state_bytes
 
 
@@ -248,14 +248,12 @@ def choose_lora_engine(request: Request, configs: Configs, mesh: jax.sharding.Me
   model_cfg = dataclasses.replace(model_cfg, remat=False)
   planned = batch_planned(request, model_cfg)
   target = MACHINES[launch.target] if launch.target else None
-  # A resume keeps the layer groups its checkpoint's adapters are laid out by.
-  saved = resumed_lora_groups(request, configs.run.workdir) or {}
   local = local_devices(mesh)
   plan = plan_lora(LoraModel(build(model_cfg), request.lora), data_cfg.seq_len,
                    plan_budget(launch, jax.devices()[0], target, local), batch=0 if planned else data_cfg.batch_size,
-                   sub_batches=launch.sub_batches, live_layers=launch.live_layers or saved.get("live_layers", 1),
-                   optimizer=make_optimizer(configs.optim), target=target,
-                   tail_layers=launch.tail_layers or saved.get("tail_layers"), devices=mesh.size)
+                   sub_batches=launch.sub_batches, live_layers=launch.live_layers or 1,
+                   optimizer=make_optimizer(configs.optim), target=target, tail_layers=launch.tail_layers or None,
+                   devices=mesh.size)
   if planned:
     data_cfg = dataclasses.replace(data_cfg, batch_size=plan.batch)
     why = "the fewest rows whose passes are compute-bound" if plan.compute_bound else "the most rows that fit"
@@ -320,9 +318,8 @@ def train(job: Job) -> dict[int, float]:
   if request.lora is not None:  # the weights are the frozen base, held by the engine; the state starts fresh
     engine = lora_engine(model_cfg, optim_cfg, request.lora, job.engine, weights, data_cfg.seed, job.mesh)
     recomputed = model_cfg.num_layers - (engine.groups[-1][1] - engine.groups[-1][0])  # all but the last group's
-    groups = {"live_layers": job.engine.live_layers, "tail_layers": job.engine.tail_layers}  # the adapters' layout
-    return trainer.train(fine_tuned(engine), job.source, run_cfg,
-                         {**meta, "lora": {**lora_meta(request, job.configs), "groups": groups}}, learning_rate,
+    return trainer.train(fine_tuned(engine, run_cfg.workdir), job.source, run_cfg,
+                         {**meta, "lora": lora_meta(request, job.configs)}, learning_rate,
                          lora_flops_per_token(engine.model, data_cfg.seq_len, recomputed), devices=job.mesh.size)
   mesh = job.mesh if job.mesh.size > 1 else None
   # The offload engine recomputes every group's layers but the last group's; the on-device step with remat, each layer.

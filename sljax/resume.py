@@ -3,11 +3,12 @@
 memory, and the restore lays the state out as it says; only the moments' dtype is kept where the request leaves it
 open (`resumed_moments`). Format-1 checkpoints of an engine's state, which held its memory layout, are
 refused in one line (`check_resumable`). A LoRA run's adapters and base must match (`check_lora_resume` against
-`lora_meta`, what a LoRA run's checkpoints record).
+`lora_meta`, what a LoRA run's checkpoints record); its adapters resume under any layer groups, in either layout
+(sljax.lora.checkpoint).
 """
 
 from sljax.checkpoint import FORMAT_1_REFUSED, newest_checkpoint, saved_format
-from sljax.lora.checkpoint import describe_base, run_meta
+from sljax.lora.checkpoint import adapters_format, describe_base, run_meta
 from sljax.optim import INT8
 from sljax.request import Configs, Request
 
@@ -48,32 +49,10 @@ def lora_meta(request: Request, configs: Configs) -> dict | None:
   return None if request.lora is None else run_meta(request.lora, request.launch.hf_dir, configs.data.seed)
 
 
-def resumed_lora_groups(request: Request, workdir: str) -> dict | None:
-  """The layer grouping ({"live_layers", "tail_layers"}) of the LoRA checkpoint in `workdir` that this run resumes
-  from, which its adapters are laid out by (a leaf per group): the plan keeps it. None where there is no LoRA
-  checkpoint; no tail for one written before checkpoints recorded their groups (and LoRA had tails). A request for
-  another grouping than a recorded one is refused (ValueError)."""
-  try:
-    step_dir, meta = newest_checkpoint(workdir)
-  except ValueError:
-    return None
-  if not meta.get("lora"):
-    return None
-  saved = meta["lora"].get("groups")
-  if saved is None:
-    return {"tail_layers": 0}
-  asked = {name: getattr(request.launch, name) for name in saved if getattr(request.launch, name)}
-  if any(saved[name] != value for name, value in asked.items()):
-    flags = " ".join(f"--{name}={value}" for name, value in saved.items())
-    raise ValueError(f"checkpoint {step_dir} holds adapters laid out by its layer groups ({flags}), and this run asks "
-                     f"for {' '.join(f'--{name}={value}' for name, value in asked.items())}: resume with {flags}, or "
-                     f"use another --workdir")
-  return saved
-
-
 def check_lora_resume(workdir: str, lora: dict):
-  """ValueError when the newest checkpoint in `workdir` does not hold adapters of this LoRA config on this base:
-  resumed, they would train on with another base or config. A workdir without a readable checkpoint passes (the
+  """ValueError when the newest checkpoint in `workdir` does not hold adapters of this LoRA config on this base
+  (resumed, they would train on with another base or config), or holds them in a layout this sljax does not read
+  (either layout it reads resumes under any layer groups). A workdir without a readable checkpoint passes (the
   trainer starts afresh, or says why it cannot read it)."""
   try:
     step_dir, meta = newest_checkpoint(workdir)
@@ -83,6 +62,7 @@ def check_lora_resume(workdir: str, lora: dict):
   if saved is None:
     raise ValueError(f"checkpoint {step_dir} holds a full training run's state, not LoRA adapters: use another "
                      f"--workdir")
+  adapters_format(step_dir, saved)
   saved = {"base_bits": 0, **saved}  # written before the base could be quantized
   describe = {"base": describe_base, "rank": str, "alpha": lambda alpha: f"{alpha:g}",
               "targets": lambda names: ",".join(names) or "every projection",

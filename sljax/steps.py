@@ -13,7 +13,7 @@ from models.common import params_reader
 from models.config import ModelConfig
 from models.presets import build
 from sljax import checkpoint_layout, schedule
-from sljax.lora.checkpoint import random_base_key
+from sljax.lora.checkpoint import random_base_key, restore_view
 from sljax.lora.engine import LoraEngine, LoraEngineConfig
 from sljax.lora.model import LoraConfig, LoraModel, split_adapters
 from sljax.machines import GIB, available_ram_bytes
@@ -141,12 +141,14 @@ def lora_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, lora: LoraConfig
   return engine
 
 
-def fine_tuned(engine: LoraEngine) -> StepFunctions:
+def fine_tuned(engine: LoraEngine, workdir: str) -> StepFunctions:
   """The LoRA engine as a training step: its state is the adapters, their optimizer state and the step; `load`
-  takes LoraModel params (the base in them is not read: the engine holds its own)."""
+  takes LoraModel params (the base in them is not read: the engine holds its own). A checkpoint is the state as it
+  is; the newest in `workdir` restores from either adapter layout (sljax.lora.checkpoint.restore_view)."""
   load = lambda params: engine.from_adapters(split_adapters(params["layers"])[1])
   return StepFunctions(engine.init, load, engine.step, engine.abstract, engine.skips_bad_steps, engine.settle,
-                       evaluate=lambda state, batch: (state, engine.eval_loss(state, batch)))
+                       evaluate=lambda state, batch: (state, engine.eval_loss(state, batch)),
+                       checkpoint_target=lambda key: restore_view(workdir, engine.abstract(key)))
 
 
 def make_step(model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: EngineConfig | None,

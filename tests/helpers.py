@@ -5,6 +5,7 @@ import functools
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -73,6 +74,40 @@ def reference_steps(model, optimizer, clip, params, batches):
     params, opt_state = step(grads, opt_state, params)
     losses.append(float(loss))
   return losses, params
+
+
+# ---- LoRA checkpoints in the layout of layer groups (format 1) ------------------------------------------------------
+
+def in_layer_groups(state: dict, group_layers: list[int]) -> dict:
+  """A LoRA engine's state (its adapters and their optimizer state stacked over all layers) as the engine held it
+  before the stacks, and as format-1 checkpoints hold it: every subtree laid out as the adapters (their optimizer
+  state's per-parameter ones) a list of layer groups of `group_layers` layers each, numpy."""
+  adapters = jax.tree.structure(state["adapters"])
+  bounds = np.cumsum([0, *group_layers])
+  split = lambda tree: [jax.tree.map(lambda x: np.asarray(x)[a:b], tree) for a, b in zip(bounds[:-1], bounds[1:])]
+  return jax.tree.map(lambda x: split(x) if jax.tree.structure(x) == adapters else np.asarray(x), state,
+                      is_leaf=lambda x: jax.tree.structure(x) == adapters)
+
+
+def rewrite_in_layer_groups(workdir: str, optimizer, group_layers: list[int]) -> str:
+  """The newest checkpoint of a LoRA run in `workdir` rewritten in format 1 (in_layer_groups; its metadata without
+  lora.format), as an older sljax wrote it; its step directory."""
+  from flax import traverse_util
+
+  from sljax.checkpoint import Checkpointer, newest_checkpoint, path_key, read_arrays
+
+  step_dir, meta = newest_checkpoint(workdir)
+  arrays = read_arrays(step_dir)
+  adapters = traverse_util.unflatten_dict({path[1:]: value for path, value in arrays.items() if path[0] == "adapters"})
+  shapes = {"step": arrays[("step",)], "adapters": adapters, "opt": jax.eval_shape(optimizer.init, adapters)}
+  paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  state = jax.tree.unflatten(treedef, [arrays[tuple(map(path_key, path))] for path, _ in paths])
+  meta["lora"] = {name: value for name, value in meta["lora"].items() if name != "format"}
+  shutil.rmtree(step_dir)
+  checkpointer = Checkpointer(os.path.dirname(step_dir), save_every=0)
+  checkpointer.save(int(os.path.basename(step_dir)), in_layer_groups(state, group_layers), meta, force=True)
+  checkpointer.close()
+  return step_dir
 
 
 # ---- train.py and generate.py, as their command lines run them ---------------------------------------------------

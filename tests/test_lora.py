@@ -3,6 +3,7 @@ changes; adapters start as the identity and merge into the kernels."""
 
 import functools
 import gc
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 from models.presets import build, get_config
 import sljax.lora.engine
 import sljax.lora.plan
-from sljax.lora.checkpoint import MergedWeights, RandomBase
+from sljax.checkpoint import Checkpointer
+from sljax.lora.checkpoint import MergedWeights, RandomBase, restore_view
 from sljax.lora.engine import LoraEngine, LoraEngineConfig, lora_flops_per_token
 from sljax.lora.model import LoraConfig, LoraModel, join_adapters, merge, split_adapters
 from sljax.footprint import GPU_MARGIN_BYTES, MARGIN, SCRATCH
@@ -26,7 +28,7 @@ from sljax.mesh import make_mesh
 from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
 from sljax.sizes import model_sizes
 
-from helpers import benchmark_smoke, flat, has_provenance, make_batch, rel_error
+from helpers import benchmark_smoke, flat, has_provenance, in_layer_groups, make_batch, rel_error
 
 SHAPES = {  # few shapes, so examples reuse compiled calls; values, placement, rank scale and optimizer vary freely
     "llama": dict(family="llama", num_heads=4, num_kv_heads=2, hidden_size=32, intermediate_size=40, num_layers=4),
@@ -179,7 +181,7 @@ def _recording_gradients(engine) -> list:
       assert x.sharding.is_fully_replicated and len(others) == engine.place.mesh.size - 1
       for other in others:
         np.testing.assert_array_equal(other, first)
-    gradients.append(jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *grads))
+    gradients.append(jax.tree.map(np.asarray, grads))
     return update(adapters, opt_state, grads, loss)
 
   engine._update = record
@@ -190,7 +192,7 @@ def _recording_gradients(engine) -> list:
     (0, "sgd", 0.0, (2, 4)), pytest.param(4, "adamw", 0.05, (2,), marks=pytest.mark.slow)])
 def test_lora_steps_over_a_data_mesh_are_one_devices_and_the_plain_steps(bits, optimizer_name, clip, meshes):
   """Data parallel (--mesh=data:N): every device holds the whole base and adapters and runs its rows of each
-  sub-batch; each group's adapter gradient is all-reduced once. Two steps with a streamed group, the stash in pinned
+  sub-batch; the adapters' gradient is all-reduced once. Two steps with a streamed group, the stash in pinned
   host memory, 2 sub-batches and a residual-keeping tail, on an unquantized and an int4 base: the losses, the gradient
   the optimizer takes (whole, the same on every device) and the adapters after them are one device's and the plain
   jax.grad + optax steps' on the full batch (fp32, 1e-5); a mesh's second step compiles nothing, and its devices
@@ -237,6 +239,74 @@ def test_lora_steps_over_a_data_mesh_are_one_devices_and_the_plain_steps(bits, o
       jax.tree.map(lambda x: np.asarray(x)[0], per_device)))
   _steps(engine, adapters, batches[:1])
   assert rel_error(gradients[-1], want_gradients[0]) > 0.1
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def test_a_checkpoint_of_adapters_in_layer_groups_restores_stacked_under_other_groups(tmp_path):
+  """Format 1, as the engine once held its state: the adapters and their optimizer state a list of layer groups (of
+  1 and 3 layers here). It restores joined into the stacks of an engine grouped otherwise (2, 1, 1 layers), the
+  state saved bit for bit, and the step after it is the step after the state never saved."""
+  model, optimizer = _model("llama", rank=4), _optimizer("adamw", 0.05)
+  engine = LoraEngine(model, optimizer, LoraEngineConfig(sub_batches=2, live_layers=2, resident_layers=4,
+                                                         tail_layers=1))
+  assert [b - a for a, b in engine.groups] == [2, 1, 1]
+  engine.init_base(jax.random.key(0))
+  rng = np.random.default_rng(0)
+  state, _ = engine.step(engine.init(jax.random.key(1)), make_batch(rng, 4, 8))
+  saved, batch = in_layer_groups(state, [1, 3]), make_batch(rng, 4, 8)
+  assert len(saved["adapters"]) == 2 and jax.tree.leaves(saved["adapters"][1])[0].shape[0] == 3
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"), save_every=0)
+  checkpointer.save(1, saved, {"lora": {"rank": 4}}, force=True)  # no lora.format: format 1
+  target = restore_view(str(tmp_path), engine.abstract(jax.random.key(1)))
+  step, restored, _ = checkpointer.restore_latest(target)
+  checkpointer.close()
+  assert step == 1 and jax.tree.structure(restored) == jax.tree.structure(state)
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
+  assert {x.sharding for x in jax.tree.leaves(restored)} == {x.sharding for x in jax.tree.leaves(state)}
+  want, want_loss = engine.step(_copy(state), batch)
+  got, got_loss = engine.step(restored, batch)
+  assert float(got_loss) == float(want_loss)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_an_unknown_adapter_layout_or_layer_groups_of_another_model_are_refused_in_one_line(tmp_path):
+  model = _model("opt", rank=2)
+  engine = LoraEngine(model, optax.adamw(1e-3), LoraEngineConfig())
+  state = engine.abstract(jax.random.key(0))
+  for name, lora, saved in [("unknown", {"rank": 2, "format": 3}, {"step": np.int32(0)}),
+                            ("short", {"rank": 2}, in_layer_groups(engine.init(jax.random.key(0)), [1, 1]))]:
+    checkpointer = Checkpointer(str(tmp_path / name / "checkpoints"), save_every=0)
+    checkpointer.save(1, saved, {"lora": lora}, force=True)
+    checkpointer.close()
+    step_dir = str(tmp_path / name / "checkpoints" / "1")
+    with pytest.raises(ValueError) as info:
+      restore_view(str(tmp_path / name), state)
+    assert "\n" not in str(info.value) and str(info.value).startswith(f"checkpoint {step_dir} holds LoRA adapters ")
+    assert ("in layout 3 (its metadata's lora.format), which this sljax does not read (it reads 1 and 2)"
+            if name == "unknown" else "of 2 layers in all, and this run's model has 3") in str(info.value)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_the_state_holds_two_arrays_a_projection_whatever_the_layers_and_groups(family):
+  """The adapters, their optimizer state and the update the step compiles are laid out by projection, not by layer
+  or group: a model 16 times deeper in 16 times more groups has the same state leaves, and the same update program
+  (its HLO: the same operations, on longer arrays), whose compile time then does not grow with the depth."""
+  projections = len(TARGETS[family]) or {"llama": 7, "opt": 6}[family]
+  shapes = []
+  for layers in (2, 32):
+    model = _model(family, rank=2, num_layers=layers)
+    engine = LoraEngine(model, _optimizer("adamw", 0.05), LoraEngineConfig(live_layers=1))
+    assert len(engine.groups) == layers
+    state = engine.abstract(jax.random.key(0))
+    assert len(jax.tree.leaves(state["adapters"])) == 2 * projections
+    grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state["adapters"])
+    loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=engine.place.device())
+    program = engine._update.lower(state["adapters"], state["opt"], grads, loss).as_text()
+    shapes.append((len(jax.tree.leaves(state)), re.sub(r"tensor<[^>]*>", "tensor", program)))
+  assert shapes[0] == shapes[1]
 
 
 def test_a_plan_keeps_more_of_a_quantized_base_resident():
@@ -506,12 +576,14 @@ def test_flops_per_token_are_xlas_count_of_the_steps_compiled_calls():
   x = array(1, seq, 256)  # one row: FLOPs per call = FLOPs per token x seq
   base = jax.eval_shape(lambda: calls.hold(model.base.init_layers(jax.random.split(jax.random.key(0), 1))))
   adapters = jax.eval_shape(model.init_adapters, jax.random.key(0), base)
-  outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
+  stack = jax.eval_shape(model.init_adapters, jax.random.key(0), jax.eval_shape(
+      lambda: model.base.init_layers(jax.random.split(jax.random.key(0), layers))))
+  outer, start = jax.eval_shape(model.base.init_outer, jax.random.key(0)), array(dtype=jnp.int32)
   per_token = lambda lowered: lowered.compile().cost_analysis()["flops"] / seq
-  forward = per_token(calls.forward.lower(base, adapters, x))
-  grads = jax.eval_shape(calls.zeros, adapters)  # the accumulators: a slot per device (one here)
-  backward = per_token(calls.backward.lower(base, adapters, x, x, grads))  # recompute + backward
-  last = per_token(calls.last_group.lower(base, adapters, outer, x, array(1, seq, dtype=jnp.int32), array(1, seq),
+  forward = per_token(calls.forward.lower(base, stack, start, x))
+  grads = jax.eval_shape(calls.zeros, stack)  # the accumulators: a slot per device (one here)
+  backward = per_token(calls.backward.lower(base, stack, start, x, x, grads))  # recompute + backward
+  last = per_token(calls.last_group.lower(base, stack, start, outer, x, array(1, seq, dtype=jnp.int32), array(1, seq),
                                           array(), grads))  # forward, head, backward: nothing recomputed
   # The backward alone, from the forward's residuals: the backward call without its recompute.
   pullback = jax.eval_shape(lambda base, adapters, x: jax.vjp(

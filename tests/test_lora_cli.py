@@ -7,6 +7,7 @@ import os
 import shutil
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,8 +23,9 @@ from sljax.lora.checkpoint import open_checkpoint, read_adapters
 from sljax.lora.engine import lora_flops_per_token
 from sljax.lora.model import LoraModel, join_adapters, merge
 from sljax.export import ExportConfig, export
+from sljax.optim import OptimConfig, make_optimizer
 
-from helpers import generate_cases, run_train, tensorboard_scalars
+from helpers import generate_cases, rewrite_in_layer_groups, run_train, tensorboard_scalars
 
 LORA = ["--set=dtype=float32", "--seq_len=16", "--batch_size=4", "--max_tokens=20000", "--warmup_steps=1",
         "--decay_steps=4", "--log_every=1", "--checkpoint_every=1", "--learning_rate=1e-2", "--lora_rank=4",
@@ -79,8 +81,7 @@ def test_lora_run_trains_only_the_adapters_and_resumes_bit_for_bit(tmp_path, tra
   state = read_manifest(os.path.join(one.step_dir, "state"))
   assert {entry["path"][0] for entry in state["arrays"]} == {"step", "adapters", "opt"}
   assert one.meta["lora"] == {"rank": 4, "alpha": 16.0, "targets": ["q_proj", "v_proj", "down_proj"],
-                              "base_bits": 0, "base": {"hf_dir": os.path.abspath(trained.hf_dir)},
-                              "groups": {"live_layers": 1, "tail_layers": 1}}
+                              "base_bits": 0, "base": {"hf_dir": os.path.abspath(trained.hf_dir)}, "format": 2}
 
 
 @pytest.mark.slow
@@ -114,38 +115,49 @@ def test_lora_over_a_data_mesh_trains_as_on_one_device_and_resumes(tmp_path, tra
       np.testing.assert_allclose(a[1][leaf], b[1][leaf], rtol=1e-5, atol=1e-7)
 
 
-def test_a_resume_keeps_the_layer_groups_its_adapters_are_laid_out_by(tmp_path, trained):
-  """The checkpoint's adapters are a leaf per layer group: left to choose, the plan would group the tiny base
-  otherwise (a tail of both layers), so a resume takes the saved groups; asking for others is refused in one line
-  before anything is written."""
-  workdir = tmp_path / "run"
-  shutil.copytree(trained.workdir, workdir)
-  ungrouped = [flag for flag in LORA if not flag.startswith(("--live_layers", "--tail_layers"))]
-  before = files_under(workdir)
-  with pytest.raises(SystemExit) as info:
-    run_train(f"--hf_dir={trained.hf_dir}", f"--workdir={workdir}", *ungrouped, "--tail_layers=2", "--steps=3")
-  assert str(info.value).startswith(f"sljax: checkpoint {newest_checkpoint(str(workdir))[0]} holds adapters laid out "
-                                    "by its layer groups (--live_layers=1 --tail_layers=1), and this run asks for "
-                                    "--tail_layers=2: resume with") and "\n" not in str(info.value), info.value
-  assert files_under(workdir) == before
-  history = run_train(f"--hf_dir={trained.hf_dir}", f"--workdir={workdir}", *ungrouped, "--steps=3")
-  assert sorted(history) == [3]
+def test_a_checkpoint_of_adapters_in_layer_groups_resumes_under_other_groups_as_a_stacked_one(tmp_path, trained):
+  """Format 1 (no lora.format in the metadata): the fixture's newest checkpoint as an older sljax wrote it, its
+  adapters and their optimizer state a list of layer groups of one layer. It exports the adapters saved, and resumes
+  under other groups (a tail of both layers) as the stacked checkpoint does, bit for bit, into stacked checkpoints."""
+  stacked, grouped = tmp_path / "stacked", tmp_path / "grouped"
+  for workdir in (stacked, grouped):
+    shutil.copytree(trained.workdir, workdir)
+  optim = OptimConfig(**newest_checkpoint(str(stacked))[1]["optim"])
+  step_dir = rewrite_in_layer_groups(str(grouped), make_optimizer(optim), [1, 1])
+  assert {tuple(entry["path"][:2]) for entry in read_manifest(os.path.join(step_dir, "state"))["arrays"]
+          if entry["path"][0] == "adapters"} == {("adapters", 0), ("adapters", 1)}
+  assert open_checkpoint(str(grouped)).format == 1 and open_checkpoint(str(stacked)).format == 2
+  saved = [read_adapters(open_checkpoint(str(workdir))) for workdir in (stacked, grouped)]
+  jax.tree.map(np.testing.assert_array_equal, *saved)
+  other_groups = [*(flag for flag in LORA if not flag.startswith(("--live_layers", "--tail_layers"))),
+                  "--tail_layers=2"]
+  runs = [run_train(f"--hf_dir={trained.hf_dir}", f"--workdir={workdir}", *other_groups, "--steps=3")
+          for workdir in (stacked, grouped)]
+  assert sorted(runs[0]) == [3] and runs[1] == runs[0]
+  resumed = [open_checkpoint(str(workdir)) for workdir in (stacked, grouped)]
+  assert resumed[1].format == 2
+  jax.tree.map(np.testing.assert_array_equal, *(read_adapters(checkpoint) for checkpoint in resumed))
 
 
-def test_a_checkpoint_from_before_lora_tails_resumes_without_one(tmp_path, trained):
-  """A checkpoint whose meta records no groups was written when a LoRA plan had no tail: its resume plans none
-  (left to choose, the plan would take a tail of both layers, and the adapters' shapes would not match)."""
+def test_an_unknown_adapter_layout_is_refused_in_one_line_before_anything_is_written(tmp_path, trained):
+  """A resume and an export (generate.py opens the checkpoint as the export does) refuse a checkpoint whose
+  lora.format this sljax does not read."""
   workdir = tmp_path / "run"
   shutil.copytree(trained.workdir, workdir)
-  step_dir, _ = newest_checkpoint(str(workdir))
-  path = os.path.join(step_dir, "meta", "metadata")
-  with open(path) as f:
-    meta = json.load(f)
-  del meta["lora"]["groups"]
-  with open(path, "w") as f:
+  step_dir, meta = newest_checkpoint(str(workdir))
+  meta["lora"]["format"] = 3
+  with open(os.path.join(step_dir, "meta", "metadata"), "w") as f:
     json.dump(meta, f)
-  ungrouped = [flag for flag in LORA if not flag.startswith(("--live_layers", "--tail_layers"))]
-  assert sorted(run_train(f"--hf_dir={trained.hf_dir}", f"--workdir={workdir}", *ungrouped, "--steps=3")) == [3]
+  before = files_under(workdir)
+  line = (f"checkpoint {step_dir} holds LoRA adapters in layout 3 (its metadata's lora.format), which this sljax does "
+          f"not read (it reads 1 and 2): read it with the sljax that wrote it, or train afresh in another --workdir")
+  with pytest.raises(SystemExit) as info:
+    run_train(f"--hf_dir={trained.hf_dir}", f"--workdir={workdir}", *LORA, "--steps=3")
+  assert str(info.value) == f"sljax: {line}"
+  with pytest.raises(ValueError) as info:
+    export(ExportConfig(checkpoint=str(workdir), out=str(tmp_path / "merged")))
+  assert str(info.value) == line
+  assert files_under(workdir) == before and not (tmp_path / "merged").exists()
 
 
 @pytest.mark.slow

@@ -1,7 +1,14 @@
 """A fine-tuning run's checkpoints read back: train.py --lora_rank checkpoints the engine's state with a pointer to
 its frozen base (`run_meta`); generate.py --lora_checkpoint and sljax.export read the adapters back
 (`open_checkpoint`, `read_adapters`) and merge them into that base one layer group at a time (`MergedWeights`), so
-the plain base model runs the fine-tuned one. Loads nothing of training.
+the plain base model runs the fine-tuned one; a resume restores a checkpoint of either adapter layout into the
+engine's state (`restore_view`). Loads nothing of training.
+
+The adapters' layout (the metadata's lora.format, FORMAT):
+  2  ("adapters", *leaf): each adapter leaf stacked over all layers, as LoraModel's params and the engine's state
+     hold it; its optimizer state's per-parameter leaves alike ("opt", ..., *leaf)
+  1  (no lora.format) ("adapters", g, *leaf), ("opt", ..., g, *leaf): a list of layer groups, each leaf stacked over
+     its group's layers, as the engine once held them; read by joining the groups, so it resumes under any grouping
 """
 
 import dataclasses
@@ -10,6 +17,7 @@ import os
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
@@ -17,8 +25,12 @@ from models.common import params_reader
 from models.config import ModelConfig
 from models.hf import HFWeights
 from models.presets import build
-from sljax.checkpoint import newest_checkpoint, read_arrays
+from sljax.checkpoint import (CheckpointMismatchError, Saved, View, newest_checkpoint, path_key, read_arrays,
+                              saved_shapes)
 from sljax.lora.model import LoraConfig, join_adapters, merge
+
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
 
 
 def random_base_key(seed: int) -> jax.Array:
@@ -33,7 +45,18 @@ def run_meta(lora: LoraConfig, hf_dir: str, seed: int) -> dict:
   one), and the base's Hugging Face directory (absolute) or the seed of a random base. JSON, as a checkpoint's
   metadata reads back."""
   base = {"hf_dir": os.path.abspath(hf_dir)} if hf_dir else {"random_seed": seed}
-  return json.loads(json.dumps({**dataclasses.asdict(lora), "base": base}))
+  return json.loads(json.dumps({**dataclasses.asdict(lora), "base": base, "format": FORMAT}))
+
+
+def adapters_format(step_dir: str, entry: dict) -> int:
+  """The adapters' layout of a checkpoint whose metadata's "lora" is `entry` (run_meta's); ValueError (one line)
+  when this sljax does not read it."""
+  saved = entry.get("format", 1)  # written before the format was recorded
+  if saved not in READABLE_FORMATS:
+    raise ValueError(f"checkpoint {step_dir} holds LoRA adapters in layout {saved!r} (its metadata's lora.format), "
+                     f"which this sljax does not read (it reads {' and '.join(map(str, READABLE_FORMATS))}): read it "
+                     f"with the sljax that wrote it, or train afresh in another --workdir")
+  return saved
 
 
 def describe_base(base: dict) -> str:
@@ -47,6 +70,7 @@ class LoraCheckpoint(NamedTuple):
   meta: dict  # the run's metadata (sljax.launch.train writes it): "model_config", "lora" (run_meta), ...
   lora: LoraConfig
   base: dict  # run_meta's: {"hf_dir": path} or {"random_seed": seed}
+  format: int  # the adapters' layout (FORMAT)
 
 
 def open_checkpoint(directory: str) -> LoraCheckpoint:
@@ -57,17 +81,69 @@ def open_checkpoint(directory: str) -> LoraCheckpoint:
   if not entry or "model_config" not in meta:
     raise ValueError(f"checkpoint {step_dir} holds no LoRA adapters: it was not written by train.py --lora_rank")
   lora = LoraConfig(entry["rank"], entry["alpha"], tuple(entry["targets"]), entry.get("base_bits", 0))
-  return LoraCheckpoint(step_dir, meta, lora, entry["base"])
+  return LoraCheckpoint(step_dir, meta, lora, entry["base"], adapters_format(step_dir, entry))
 
 
 def read_adapters(checkpoint: LoraCheckpoint) -> dict:
-  """The checkpoint's adapters stacked over all layers (as LoraModel's params hold them), numpy; nothing else of its
-  state (the optimizer's) is read."""
+  """The checkpoint's adapters stacked over all layers (as LoraModel's params hold them), numpy, of either layout;
+  nothing else of its state (the optimizer's) is read."""
+  arrays = read_arrays(checkpoint.step_dir, lambda path: path[0] == "adapters")
+  if checkpoint.format == FORMAT:
+    return traverse_util.unflatten_dict({path[1:]: value for path, value in arrays.items()})
   by_group = {}
-  for path, value in read_arrays(checkpoint.step_dir, lambda path: path[0] == "adapters").items():
+  for path, value in arrays.items():
     by_group.setdefault(path[1], {})[path[2:]] = value
   groups = [traverse_util.unflatten_dict(by_group[g]) for g in sorted(by_group)]
   return jax.tree.map(lambda *xs: np.concatenate(xs), *groups)
+
+
+def restore_view(directory: str, state) -> View | None:
+  """What restores the newest checkpoint under `directory` into the engine's state, given as `state` (shapes and
+  shardings, LoraEngine.abstract): None (the state as it is) for one in FORMAT or where there is none; for a format-1
+  one, `groups_view` of its layer groups. ValueError (one line) when its layout is unknown or its groups do not cover
+  the state's layers."""
+  try:
+    step_dir, meta = newest_checkpoint(directory)
+  except ValueError:
+    return None  # none, or unreadable: the restore says which
+  if "lora" not in meta or adapters_format(step_dir, meta["lora"]) == FORMAT:
+    return None
+  layers = {path[1]: shape[0] for path, shape in saved_shapes(step_dir).items()
+            if path[0] == "adapters" and isinstance(path[1], int)}
+  group_layers = [layers[g] for g in sorted(layers)]
+  expected = jax.tree.leaves(state["adapters"])[0].shape[0]
+  if sum(group_layers) != expected:
+    raise CheckpointMismatchError(f"checkpoint {step_dir} holds LoRA adapters in layer groups (layout 1) of "
+                                  f"{sum(group_layers)} layers in all, and this run's model has {expected}")
+  return groups_view(state, group_layers)
+
+
+def groups_view(state, group_layers: list[int]) -> View:
+  """A restore of a format-1 checkpoint, whose adapters and their optimizer state's per-parameter leaves are a list
+  of layer groups of `group_layers` layers, into the stacked `state` (shapes and shardings): each group's arrays
+  placed as saved, then each stacked leaf joined from its groups on the device."""
+  flat = [(tuple(map(path_key, path)), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
+  adapters = [path[1:] for path, _ in flat if path[0] == "adapters"]
+  leaves, arrays, sources = [], [], []  # sources: the indices in `leaves` each stacked leaf is joined from
+  for path, leaf in flat:
+    # Where the adapter's own path starts: the group index went there (a list of groups in place of the tree).
+    at = min((k for adapter in adapters for k in range(len(path) - len(adapter) + 1)
+              if path[k:k + len(adapter)] == adapter), default=None)
+    if at is None:  # the step, an optimizer leaf shared by all adapters (Adam's count)
+      parts = [(path, leaf)]
+    else:
+      parts = [((*path[:at], g, *path[at:]), jax.ShapeDtypeStruct((n, *leaf.shape[1:]), leaf.dtype,
+                                                                   sharding=leaf.sharding))
+               for g, n in enumerate(group_layers)]
+    sources.append((at is not None, list(range(len(leaves), len(leaves) + len(parts)))))
+    for part_path, part in parts:
+      arrays.append(Saved(part_path, len(leaves)))
+      leaves.append(part)
+  join = jax.jit(lambda parts: [jnp.concatenate(p) if stacked else p[0] for (stacked, _), p in zip(sources, parts)],
+                 out_shardings=[leaf.sharding for _, leaf in flat])
+  treedef = jax.tree.structure(state)
+  build = lambda placed: jax.tree.unflatten(treedef, join([[placed[i] for i in indices] for _, indices in sources]))
+  return View(leaves, arrays, build)
 
 
 class RandomBase:

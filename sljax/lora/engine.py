@@ -9,13 +9,22 @@
       inputs back; recompute + backward of every sub-batch: input gradients and adapter gradients, none for the base
   one optax update of every adapter at once, on the device
 
+The trainable state is one array per adapter leaf stacked over all layers (lora_a of q_proj: [layers, in, r]), as
+LoraModel's params hold them, and so are their gradient and optimizer state: a llama's 7 projections are 14 arrays
+whatever the model's depth or the layer groups. Each group's call takes the whole stack and its group's first layer,
+traced, and slices its layers out (lax.dynamic_slice): one compile serves every group of a size; a backward adds its
+group's gradient into the stacked accumulator in place (donated). The update is then one optax call over those few
+arrays: at llama70b's shapes it compiles in under a second on CPU, where a leaf per layer group and projection
+(1,120 leaves at one layer a group) took 18 s.
+
 Over a data-parallel mesh (sljax.mesh's data axis; fsdp 1) every device holds the whole base and the whole trainable
 state, and every sub-batch is split over the devices, as full training splits it (sljax.schedule): each device runs
 its own rows through every call with no collective, adding its rows' part of the adapters' gradient (the loss is the
-whole batch's weighted mean, so the parts sum to it) to a per-device slot; once a group's gradient is complete, ONE
-all-reduce sums its slots (Placement.reduce) while the next group's backward runs, and each device applies the same
-update to its copy. Each device sends 2 (n-1)/n of the adapters' fp32 gradient (and of the 4-byte loss) per step; its
-PCIe traffic is the single-device schedule's for its rows.
+whole batch's weighted mean, so the parts sum to it) to a per-device slot; once the backward is done, ONE all-reduce
+sums the slots (Placement.reduce), and each device applies the same update to its copy. Each device sends 2 (n-1)/n
+of the adapters' fp32 gradient (and of the 4-byte loss) per step, in one collective after the backward (llama70b's
+rank-16 gradient is 0.8 GB: milliseconds over NVLink, in a step of seconds); its PCIe traffic is the single-device
+schedule's for its rows.
 
 The base has no master copy, no gradient and no optimizer state: it is held by the engine (`load_base` / `init_base`)
 in the dtypes its layers run in (with LoraConfig.base_bits, its kernels as int8 / int4 codes and scales, quantized
@@ -38,7 +47,7 @@ from flax import traverse_util
 from models.common import layer_compute_dtypes, loss_denominator, params_reader
 from sljax.generate import layer_groups
 from sljax.lora.model import LoraModel, join_adapters, split_adapters
-from sljax.memory import InFlight, Placement, accumulate, prefetch
+from sljax.memory import InFlight, Placement, prefetch
 from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 from sljax.metrics import StepFlops, step_flops
 from sljax.quant import QuantConfig, quantize_layers
@@ -86,6 +95,26 @@ def held_base(model: LoraModel, stacked) -> dict:
   return quantize_layers(cast, QuantConfig(bits=bits)) if bits else cast
 
 
+def group_layers(stack, start, layers: int):
+  """Layers [start, start + layers) of every leaf of `stack` (stacked over all layers; start may be traced)."""
+  return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, layers), stack)
+
+
+def add_group(slots, grads, start):
+  """The per-device gradient slots of the stack (a leading slot axis, then the layers; inside `Placement.local`)
+  with a group's gradient `grads` added in fp32 at its layers, from `start` on."""
+
+  def add(slot, grad):
+    layers = jax.lax.dynamic_slice_in_dim(slot, start, grad.shape[0], axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(slot, layers + grad.astype(slot.dtype)[None], start, axis=1)
+
+  return jax.tree.map(add, slots, grads)
+
+
+def _layer_count(base) -> int:
+  return jax.tree.leaves(base)[0].shape[0]
+
+
 def lora_groups(num_layers: int, cfg: LoraEngineConfig) -> tuple[list[tuple[int, int]], list[bool]]:
   """([start, stop) of each group, whether it is resident): sljax.generate.layer_groups of the layers before the
   tail, then the tail as one resident group."""
@@ -124,17 +153,20 @@ class LoraEngine:
       raise ValueError(f"LoRA fine-tuning runs data parallel, the whole base and adapters on every device; the "
                        f"placement's mesh splits weights over fsdp:{self.place.fsdp}")
     self.groups, self.resident = lora_groups(num_layers, cfg)
+    # Each group's first layer, on the device once (replicated): the calls take it as an argument, not a constant.
+    self._starts = self.place.to_device([np.int32(start) for start, _ in self.groups])
     self.base = None  # {"outer": on the device, "groups": [group g's base layers, on the device or pinned host]}
-    # Per-sub-batch calls see the whole base and adapters and this device's rows; outputs are rows or per-device
-    # slots (the loss's part and the adapters' gradient accumulators, summed over the mesh by Placement.reduce).
+    # Per-sub-batch calls see a group's base, the whole adapter stack with the group's first layer, and this device's
+    # rows; outputs are rows or per-device slots (the loss's part and the adapters' gradient accumulators, summed over
+    # the mesh by Placement.reduce).
     local, whole, rows = self.place.local, REPLICATED, PER_DEVICE
-    layers = lambda base, adapters, x: model.layers(join_adapters(base, adapters), x)
     self._embed = local(model.embed, (whole, rows), rows)
-    self._forward = local(layers, (whole, whole, rows), rows)
-    self._last_group = local(self._last_group_fn, (whole, whole, whole, rows, rows, rows, whole, rows), rows,
-                             donate=(3, 7))
-    self._backward = local(self._backward_fn, (whole, whole, rows, rows, rows), rows, donate=(2, 4))
-    self._last_group_loss = local(self._last_group_loss_fn, (whole, whole, whole, rows, rows, rows, whole), rows)
+    self._forward = local(self._forward_fn, (whole, whole, whole, rows), rows)
+    self._last_group = local(self._last_group_fn, (whole, whole, whole, whole, rows, rows, rows, whole, rows), rows,
+                             donate=(4, 8))
+    self._backward = local(self._backward_fn, (whole, whole, whole, rows, rows, rows), rows, donate=(3, 5))
+    self._last_group_loss = local(self._last_group_loss_fn, (whole, whole, whole, whole, rows, rows, rows, whole),
+                                  rows)
     # Laid out as the state it replaces (replicated), so that the next step compiles nothing.
     self._update = jax.jit(self._update_fn, donate_argnums=(0, 1), out_shardings=self.place.device())
     self._zeros = self.place.zero_slots
@@ -147,22 +179,30 @@ class LoraEngine:
 
   # ---- jitted pieces -------------------------------------------------------------------------------------------
 
-  def _last_group_fn(self, base, adapters, outer, x, targets, weights, inv_total, grads):
+  def _layers(self, base, adapters, x):
+    """A group's layers: its base and its adapters (sliced from the stack)."""
+    return self.model.layers(join_adapters(base, adapters), x)
+
+  def _forward_fn(self, base, stack, start, x):
+    return self._layers(base, group_layers(stack, start, _layer_count(base)), x)
+
+  def _last_group_fn(self, base, stack, start, outer, x, targets, weights, inv_total, grads):
     def loss_fn(adapters, x):
-      h = self.model.layers(join_adapters(base, adapters), x)
-      return self.model.head_loss(outer, h, targets, weights) * inv_total
+      return self.model.head_loss(outer, self._layers(base, adapters, x), targets, weights) * inv_total
 
+    adapters = group_layers(stack, start, _layer_count(base))
     loss, (d_adapters, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1))(adapters, x)
-    return loss[None], dx, accumulate(grads, d_adapters)  # loss: this device's rows' part
+    return loss[None], dx, add_group(grads, d_adapters, start)  # loss: this device's rows' part
 
-  def _last_group_loss_fn(self, base, adapters, outer, x, targets, weights, inv_total):
-    h = self.model.layers(join_adapters(base, adapters), x)
+  def _last_group_loss_fn(self, base, stack, start, outer, x, targets, weights, inv_total):
+    h = self._layers(base, group_layers(stack, start, _layer_count(base)), x)
     return (self.model.head_loss(outer, h, targets, weights) * inv_total)[None]  # this device's rows' part
 
-  def _backward_fn(self, base, adapters, x, dy, grads):
-    _, vjp = jax.vjp(lambda adapters, x: self.model.layers(join_adapters(base, adapters), x), adapters, x)
+  def _backward_fn(self, base, stack, start, x, dy, grads):
+    adapters = group_layers(stack, start, _layer_count(base))
+    _, vjp = jax.vjp(lambda adapters, x: self._layers(base, adapters, x), adapters, x)
     d_adapters, dx = vjp(dy)
-    return dx, accumulate(grads, d_adapters)
+    return dx, add_group(grads, d_adapters, start)
 
   def _update_fn(self, adapters, opt_state, grads, loss):
     """The optimizer's update of every adapter, or (a non-finite loss or gradient) the state unchanged."""
@@ -218,17 +258,17 @@ class LoraEngine:
     return self.from_adapters(adapters)
 
   def from_adapters(self, adapters) -> dict:
-    """State from adapters stacked over all layers (as LoraModel's params hold them)."""
-    groups = [jax.tree.map(lambda x: jnp.asarray(x[a:b], jnp.float32), adapters) for a, b in self.groups]
-    groups = self.place.to_device(groups)
+    """State from adapters stacked over all layers (as LoraModel's params hold them, and as the state does)."""
+    # Copied: the step donates the state, not the caller's arrays.
+    adapters = self.place.to_device(jax.tree.map(lambda x: jnp.array(x, jnp.float32), adapters))
     # Laid out as the step's outputs are (the optimizer's counters too, which a plain jit would leave unplaced):
-    # otherwise the second step compiles the update again, a minute for llama70b's adapters on the GPU.
-    return {"step": self.place.to_device(np.zeros((), np.int32)), "adapters": groups,
-            "opt": jax.jit(self.optimizer.init, out_shardings=self.place.device())(groups)}
+    # otherwise the second step compiles the update again.
+    return {"step": self.place.to_device(np.zeros((), np.int32)), "adapters": adapters,
+            "opt": jax.jit(self.optimizer.init, out_shardings=self.place.device())(adapters)}
 
   def adapters(self, state: dict) -> dict:
     """The adapters stacked over all layers, numpy."""
-    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *state["adapters"])
+    return jax.tree.map(np.asarray, state["adapters"])
 
   def abstract(self, key: jax.Array) -> dict:
     """Shapes, dtypes and shardings of `init(key)` (everything on the device), allocating nothing."""
@@ -271,7 +311,7 @@ class LoraEngine:
       raise ValueError("the engine has no base: call load_base(params) or init_base(key) first")
     n = self.cfg.sub_batches
     tokens, targets, loss_weights, inv_total = self._sub_batches(batch)
-    outer, adapters, last = self.base["outer"], state["adapters"], len(self.groups) - 1
+    outer, adapters, starts, last = self.base["outer"], state["adapters"], self._starts, len(self.groups) - 1
     # The host stays one group ahead of the device (and starts a step once the last one is done), so the device
     # holds the streamed groups' weights (sljax.lora.plan.STREAMED_IN_FLIGHT) and the calls' buffers the plan counts,
     # not those of every group dispatched.
@@ -285,28 +325,28 @@ class LoraEngine:
     for g in range(last):
       w = next(stream)
       boundaries.append([self._stash(x) for x in level])
-      level = [self._forward(w, adapters[g], x) for x in level]
+      level = [self._forward(w, adapters, starts[g], x) for x in level]
       pace.add(level[-1])
 
-    w, grads = next(stream), [None] * (last + 1)
-    acc, losses, cotangents = self._zeros(adapters[last]), [], []
+    w, grads, losses, cotangents = next(stream), self._zeros(adapters), [], []
     for s, x in enumerate(level):
-      loss, dx, acc = self._last_group(w, adapters[last], outer, x, targets[s], loss_weights[s], inv_total, acc)
+      loss, dx, grads = self._last_group(w, adapters, starts[last], outer, x, targets[s], loss_weights[s], inv_total,
+                                         grads)
       losses.append(loss)
       cotangents.append(dx)
     pace.add(cotangents[-1])
     del level
-    grads[last] = self.place.reduce(acc, sharded=False)  # the group's one all-reduce, behind the next group's backward
 
     for g in range(last - 1, -1, -1):
-      w, acc, dxs = next(stream), self._zeros(adapters[g]), []
+      w, dxs = next(stream), []
       for x, dy in zip(prefetch(boundaries.pop(), self._unstash), cotangents):
-        dx, acc = self._backward(w, adapters[g], x, dy, acc)
+        dx, grads = self._backward(w, adapters, starts[g], x, dy, grads)
         dxs.append(dx)
       pace.add(dxs[-1])
-      cotangents, grads[g] = dxs, self.place.reduce(acc, sharded=False)
+      cotangents = dxs
     del cotangents
 
+    grads = self.place.reduce(grads, sharded=False)  # the step's one all-reduce of the adapters' gradient
     loss = self.place.reduce(sum(losses), sharded=False)
     new_adapters, new_opt, ok = self._update(adapters, state["opt"], grads, loss)
     return ({"step": state["step"] + ok.astype(jnp.int32), "adapters": new_adapters, "opt": new_opt},
@@ -320,26 +360,28 @@ class LoraEngine:
       raise ValueError("the engine has no base: call load_base(params) or init_base(key) first")
     n = self.cfg.sub_batches
     tokens, targets, loss_weights, inv_total = self._sub_batches(batch)
-    outer, adapters, last = self.base["outer"], state["adapters"], len(self.groups) - 1
+    outer, adapters, starts, last = self.base["outer"], state["adapters"], self._starts, len(self.groups) - 1
     jax.block_until_ready(state["step"])  # as the step: the device holds one pass's buffers at a time
     pace, stream = InFlight(1), prefetch(range(last + 1), self._fetch)
     level = [self._embed(outer, tokens[s]) for s in range(n)]
     for g in range(last):
       w = next(stream)
-      level = [self._forward(w, adapters[g], x) for x in level]
+      level = [self._forward(w, adapters, starts[g], x) for x in level]
       pace.add(level[-1])
     w = next(stream)
-    return self.place.reduce(sum(self._last_group_loss(w, adapters[last], outer, x, targets[s], loss_weights[s],
-                                                       inv_total) for s, x in enumerate(level)), sharded=False)
+    return self.place.reduce(sum(self._last_group_loss(w, adapters, starts[last], outer, x, targets[s],
+                                                       loss_weights[s], inv_total) for s, x in enumerate(level)),
+                             sharded=False)
 
 
 class LoraCalls(NamedTuple):
-  """Pieces of `LoraEngine.step`; x, dy: one sub-batch's hidden states, base and adapters: one group's."""
+  """Pieces of `LoraEngine.step`; x, dy: one sub-batch's hidden states; base: one group's; stack: the adapters stacked
+  over all layers, start: the group's first layer (int32), grads: the stack's gradient accumulators."""
 
-  forward: Callable  # (base, adapters, x) -> y: a group's forward (every group but the last)
-  # (base, adapters, outer, x, targets, weights, 1 / total weight, grads) -> (this device's part of the loss, one slot
-  # per device; dx; grads)
+  forward: Callable  # (base, stack, start, x) -> y: a group's forward (every group but the last)
+  # (base, stack, start, outer, x, targets, weights, 1 / total weight, grads) -> (this device's part of the loss, one
+  # slot per device; dx; grads)
   last_group: Callable
-  backward: Callable  # (base, adapters, x, dy, grads) -> (dx, grads): recompute + backward of a group
-  zeros: Callable  # a group's adapters -> their fp32 gradient accumulators, one slot per device (Placement.zero_slots)
+  backward: Callable  # (base, stack, start, x, dy, grads) -> (dx, grads): recompute + backward of a group
+  zeros: Callable  # the stack -> its fp32 gradient accumulators, one slot per device (Placement.zero_slots)
   hold: Callable  # stacked base layers -> the same as the engine holds them (held_base)

@@ -93,18 +93,18 @@ def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, 
     shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
     x = shape(rows, seq_len, model_sizes(model.base).hidden)
 
-    def stacked(layers):
-      base = jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), layers)))
-      return jax.eval_shape(step.hold, base), jax.eval_shape(model.init_adapters, jax.random.key(0), base)
+    def base_layers(layers):
+      return jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), layers)))
 
-    base, adapters = stacked(last_layers)
+    # Every call takes the whole adapter stack and its gradient accumulators (the group's layers are sliced inside).
+    stack = jax.eval_shape(model.init_adapters, jax.random.key(0), base_layers(model.cfg.num_layers))
+    grads, start = jax.eval_shape(step.zeros, stack), shape(dtype=jnp.int32)
+    held = lambda layers: jax.eval_shape(step.hold, base_layers(layers))
     outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
-    grads = lambda adapters: jax.eval_shape(step.zeros, adapters)
-    calls = [step.last_group.lower(base, adapters, outer, x, shape(rows, seq_len, dtype=jnp.int32),
-                                   shape(rows, seq_len, dtype=jnp.float32), shape(dtype=jnp.float32), grads(adapters))]
+    calls = [step.last_group.lower(held(last_layers), stack, start, outer, x, shape(rows, seq_len, dtype=jnp.int32),
+                                   shape(rows, seq_len, dtype=jnp.float32), shape(dtype=jnp.float32), grads)]
     if model.cfg.num_layers > last_layers:
-      base, adapters = stacked(live_layers)
-      calls.append(step.backward.lower(base, adapters, x, x, grads(adapters)))
+      calls.append(step.backward.lower(held(live_layers), stack, start, x, x, grads))
     return calls
 
   return compiled_peak((type(model.base), model.cfg, model.lora, live_layers, last_layers, rows, seq_len), lowered)
@@ -134,7 +134,8 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
   outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
   fixed = {MARGIN: margin_bytes(target),
            "embeddings+head (frozen)": tree_bytes(outer),
-           # master, gradients, the new master; the optimizer state and its new value
+           # each stacked over all layers, whatever the groups: master, gradients (one slot on each device), the new
+           # master; the optimizer state and its new value
            "adapters (master, grads, optimizer, update)":
                3 * tree_bytes(adapters) + 2 * tree_bytes(jax.eval_shape(optimizer.init, adapters))}
   if tail_layers is not None and not 0 <= tail_layers <= layers:
