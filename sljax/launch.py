@@ -159,7 +159,8 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   mode = launch.engine
   if mode == "auto":
     mode = "device" if auto_runs_on_device(launch, model_cfg, optim_cfg, device) else "offload"
-  offload_only = [f"--{name}" for name in ("sub_batches", "live_layers", "tail_layers") if getattr(launch, name)]
+  offload_only = [f"--{name}" for name in ("sub_batches", "live_layers", "tail_layers", "trade_state_for_tail")
+                  if getattr(launch, name)]
   offload_only += [f"--parked_grads_dtype={launch.parked_grads_dtype}"] * (launch.parked_grads_dtype != "float32")
   if launch.parked_grads_dtype != "float32" and not optim_cfg.grad_clip_norm:
     raise ValueError(f"--parked_grads_dtype={launch.parked_grads_dtype} narrows the gradients that wait for clipping's "
@@ -187,7 +188,8 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   def plan_with(optim_cfg):  # the plan sizes one device's work: its rows, its 1/fsdp share of the layer state
     args = dict(sub_batches=launch.sub_batches, live_layers=live_layers, tail_layers=tail_layers,
                 fsdp=mesh.shape["fsdp"], target=target, optimizer=make_optimizer(optim_cfg, clip=False),
-                grad_clip_norm=optim_cfg.grad_clip_norm, parked_grads_dtype=launch.parked_grads_dtype)
+                grad_clip_norm=optim_cfg.grad_clip_norm, parked_grads_dtype=launch.parked_grads_dtype,
+                trade_state_for_tail=launch.trade_state_for_tail)
     if planned:
       return plan_batch(model, data_cfg.seq_len, budget, devices=mesh.size, **args)
     return make_plan(model, data_cfg.seq_len, data_cfg.batch_size // mesh.size, budget, **args), None
@@ -228,7 +230,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
 
 def check_lora_request(launch: LaunchConfig):
   """ValueError when a flag of LaunchConfig asks for what the LoRA engine does not do."""
-  asked = [f"--{name}" for name in ("int8_exchange",) if getattr(launch, name)]
+  asked = [f"--{name}" for name in ("int8_exchange", "trade_state_for_tail") if getattr(launch, name)]
   asked += [f"--parked_grads_dtype={launch.parked_grads_dtype}"] * (launch.parked_grads_dtype != "float32")
   asked += [f"--engine={launch.engine}"] * (launch.engine != "auto")
   asked += [f"--mesh={launch.mesh}"] * (parse_mesh(launch.mesh)["fsdp"] > 1 if launch.mesh else False)

@@ -193,7 +193,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
               optimizer: optax.GradientTransformation | None = None, grad_clip_norm: float = 0.0,
               sub_batch_tokens: int = SUB_BATCH_TOKENS, fsdp: int = 1, target: Machine | None = None,
               tail_layers: int = 0, device_state_groups: int | None = None,
-              parked_grads_dtype: str = "float32") -> Plan:
+              parked_grads_dtype: str = "float32", trade_state_for_tail: bool = False) -> Plan:
   """Chooses the engine's settings for one device; 0 for sub_batches / live_layers / tail_layers means "choose".
   ValueError when it cannot fit.
 
@@ -210,7 +210,9 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
   The tail (EngineConfig.tail_layers): when every group's state stays on the device, the device memory left over
   goes to a longer last group, whose layers keep their residuals instead of being recomputed, as many as fit by the
   compiled peaks (a model that fits with room to spare recomputes nothing). Where state must live in host memory,
-  the memory goes to state first, and the last group is the last of the live_layers groups."""
+  the memory goes to state first, and the last group is the last of the live_layers groups. trade_state_for_tail:
+  then, where the step is compute-bound, the tail grows further by moving groups' state to host memory, as long as
+  the step stays compute-bound and gets faster (_traded_for_a_tail)."""
   sizes = model_sizes(model)  # checks the model first
   if sub_batches:
     if batch_size % sub_batches:
@@ -227,10 +229,19 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
                                 grad_clip_norm, fsdp, target, machine, device_state_groups, parked_grads_dtype)
   plan = layout(tail_layers)
   first = _last_layers(plan)
-  if tail_layers or not _all_resident(plan) or first == sizes.num_layers:
+  if tail_layers or device_state_groups is not None or first == sizes.num_layers:
     return plan
-  # Grow the tail into the memory left: the bytes per added layer from one more layer's plan, then the longest tail
-  # that the compiled peaks say fits, stepping down until one does.
+  if _all_resident(plan):
+    plan = _grown_into_what_is_left(plan, layout, sizes.num_layers)
+  if trade_state_for_tail and plan.compute_bound:
+    return _traded_for_a_tail(plan, layout, sizes.num_layers)
+  return plan
+
+
+def _grown_into_what_is_left(plan: Plan, layout, num_layers: int) -> Plan:
+  """The longest tail in the device memory left beside every group's state: the bytes per added layer from one more
+  layer's plan, then the longest tail that the compiled peaks say fits, stepping down until one does."""
+  first = _last_layers(plan)
   try:
     one_more = layout(first + 1)
   except ValueError:
@@ -239,7 +250,7 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
     return plan
   per_layer = max(sum(one_more.device_bytes.values()) - sum(plan.device_bytes.values()), 1)
   left = plan.budget.device_bytes - sum(one_more.device_bytes.values())
-  for tail in range(min(sizes.num_layers, first + 1 + left // per_layer), first + 1, -1):
+  for tail in range(min(num_layers, first + 1 + left // per_layer), first + 1, -1):
     try:
       longer = layout(tail)
     except ValueError:
@@ -247,6 +258,28 @@ def make_plan(model, seq_len: int, batch_size: int, budget: Budget, sub_batches:
     if _keeps_placement(plan, longer):
       return longer
   return one_more
+
+
+def _traded_for_a_tail(plan: Plan, layout, num_layers: int) -> Plan:
+  """A compute-bound step spends its device memory best on kept residuals: each tail layer saves its recompute (a
+  forward), where resident state only saves copies that the compute hides anyway. The longest tail whose plan
+  (state moved to host memory to make room) stays compute-bound and is faster; found by bisection, as fitting and
+  staying compute-bound only get harder as the tail grows."""
+  def better(tail: int) -> Plan | None:
+    try:
+      longer = layout(tail)
+    except ValueError:
+      return None
+    return longer if longer.compute_bound and longer.step_seconds < plan.step_seconds else None
+
+  best, low, high = plan, _last_layers(plan) + 1, num_layers
+  while low <= high:
+    tail = (low + high) // 2
+    if (longer := better(tail)) is not None:
+      best, low = longer, tail + 1
+    else:
+      high = tail - 1
+  return best
 
 
 def _last_layers(plan: Plan) -> int:

@@ -45,6 +45,9 @@ class LaunchConfig:
   # offload and LoRA engines: layers in the last group, which keep their residuals instead of being recomputed (0:
   # the plan chooses; equal to --live_layers: no longer tail than the other groups; LoRA: the whole base resident)
   tail_layers: int = 0
+  # offload engine, where the plan chooses the tail: move groups' state to host memory for a longer tail while the
+  # step stays compute-bound and gets faster (by the plan's model; the default spends the device on state first)
+  trade_state_for_tail: bool = False
   int8_exchange: bool = False  # offload engine: stash hidden states in host memory as int8 rows (inexact)
   # offload engine, with clipping: the dtype gradients wait in for the global norm (bfloat16: half the memory,
   # inexact: each rounded once; the norm is the fp32 gradients')

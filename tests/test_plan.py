@@ -457,3 +457,27 @@ def test_clipped_host_groups_on_the_device_at_once_stay_within_updates_in_flight
 
   _observed_steps(1.0, observe, steps=3, prepare=prepare)
   assert most[0] == schedule.UPDATES_IN_FLIGHT, most[0]
+
+
+def test_a_compute_bound_plan_trades_resident_state_for_a_longer_tail_when_asked(monkeypatch):
+  """--trade_state_for_tail: where the copies hide behind the compute, a tail layer saves its recompute (a forward)
+  and resident state saves only copies: the plan moves groups' state to host memory for kept residuals while the
+  step stays compute-bound and gets faster. By default, and where the copies would show, it keeps the state."""
+  model = tiny_model(10, 32)
+  budget, _ = budget_keeping(model, 8, 4, 1, 5, sub_batches=2)
+  fast_copies = {rate: getattr(REFERENCE, rate) * 1e6 for rate in (
+      "copy_bytes_per_s", "copy_to_host_bytes_per_s", "copy_both_bytes_per_s")}
+  monkeypatch.setattr(footprint, "rates_of", lambda device_kind: dataclasses.replace(REFERENCE, **fast_copies))
+  state_first = make_plan(model, 8, 4, budget, sub_batches=2, tail_layers=1)
+  default = make_plan(model, 8, 4, budget, sub_batches=2).engine  # state first
+  assert default.device_state_groups == 5 and default.tail_layers <= 1
+  plan = make_plan(model, 8, 4, budget, sub_batches=2, trade_state_for_tail=True)
+  assert state_first.engine.device_state_groups == 5 and state_first.compute_bound, state_first.describe()
+  assert plan.engine.tail_layers > 1 and plan.compute_bound, plan.describe()
+  assert plan.engine.device_state_groups < plan.groups and plan.step_seconds < state_first.step_seconds
+  assert sum(plan.device_bytes.values()) <= budget.device_bytes
+  try:  # the longest such tail
+    longer = make_plan(model, 8, 4, budget, sub_batches=2, tail_layers=plan.engine.tail_layers + 1)
+  except ValueError:
+    return
+  assert not longer.compute_bound, longer.describe()
