@@ -4,6 +4,8 @@
   python -m benchmarks.int8_moments_quality --out=benchmarks/results/int8_moments_quality_cpu.json  # llama-tiny
   python -m benchmarks.int8_moments_quality --variants=bf16_parked_grads \
       --out=benchmarks/results/bf16_parked_grads_quality_cpu.json
+  python -m benchmarks.int8_moments_quality --variants=int8_exchange \
+      --out=benchmarks/results/int8_exchange_quality_cpu.json
   python -m benchmarks.int8_moments_quality --smoke --out=/tmp/int8_moments_smoke.json              # seconds
 
 Trains `--model` for `--steps` steps on the embedded corpus, with its recipe's AdamW (sljax.optim.RECIPES:
@@ -14,6 +16,9 @@ jitted step, which computes what the engine computes with that saver (tests/test
                      clipping parks them with --parked_grads_dtype=bfloat16. The weight gradient of a bf16 matmul
                      is a bf16 value already: only a sum of several is not, so compare at --sub_batches > 1, where
                      every run (fp32 too) sums its sub-batches' gradients in fp32 as the engine does
+  int8_exchange      the group inputs that the backward pass recomputes from, stashed as int8 rows with one scale
+                     each (--int8_exchange) at groups of --live_layers layers and no tail: the engine's grouping
+                     when asked for none. The forward and the loss are exact; only the gradients see the rounding
 Reports, for each and its difference from fp32 (`<variant>_minus_float32`): the final train loss (the mean over the
 last `--final_steps` steps, and the last step's) and the held-out loss (the mean over `--eval_batches` batches of the
 corpus's held-out documents, which no training window reads).
@@ -35,21 +40,31 @@ from models.presets import build, get_config
 from sljax.data import DataConfig, make_source
 from sljax.machines import configure_process
 from sljax.optim import RECIPES, make_optimizer, run_decay_steps
+from sljax.schedule import EngineConfig, dequantize_rows, quantize_rows
 
-flags.DEFINE_string("model", "llama-tiny", "Model preset (its recipe trains it).")
-flags.DEFINE_integer("steps", 2000, "Training steps of each run.")
-flags.DEFINE_integer("final_steps", 100, "The final train loss is the mean over this many last steps.")
-flags.DEFINE_integer("eval_batches", 16, "Held-out batches, of the training batch's shape.")
-flags.DEFINE_list("variants", ["int8"], "What to train beside fp32: int8, bf16_parked_grads (see above).")
-flags.DEFINE_integer("sub_batches", 1, "Every run's gradient is the fp32 sum of this many sub-batches' (the "
-                     "engine's accumulation), not the full batch's.")
-flags.DEFINE_integer("seed", 0, "Seeds the initialization and the batches' order, the same for both runs.")
-define_flags("A 2-layer model of width 64, batches of 4 x 32, 6 steps and 2 held-out batches (--steps, "
-             "--eval_batches given: theirs): checks the code path in seconds.")
+
+def define_script_flags():
+  """The script's flags, defined when it runs (not on import: the tests import it for its losses beside other
+  benchmarks that define the same names)."""
+  flags.DEFINE_string("model", "llama-tiny", "Model preset (its recipe trains it).")
+  flags.DEFINE_integer("steps", 2000, "Training steps of each run.")
+  flags.DEFINE_integer("final_steps", 100, "The final train loss is the mean over this many last steps.")
+  flags.DEFINE_integer("eval_batches", 16, "Held-out batches, of the training batch's shape.")
+  flags.DEFINE_list("variants", ["int8"], "What to train beside fp32: int8, bf16_parked_grads, int8_exchange (see "
+                    "above).")
+  flags.DEFINE_integer("sub_batches", 1, "Every run's gradient is the fp32 sum of this many sub-batches' (the "
+                       "engine's accumulation), not the full batch's.")
+  flags.DEFINE_integer("live_layers", 1, "int8_exchange: layers per group; every group's input but the last's is "
+                       "stashed.")
+  flags.DEFINE_integer("seed", 0, "Seeds the initialization and the batches' order, the same for both runs.")
+  define_flags("A 2-layer model of width 64, batches of 4 x 32, 6 steps and 2 held-out batches (--steps, "
+               "--eval_batches given: theirs): checks the code path in seconds.")
+
+
 FLAGS = flags.FLAGS
 
 SMOKE = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=2)
-VARIANTS = ("int8", "bf16_parked_grads")
+VARIANTS = ("int8", "bf16_parked_grads", "int8_exchange")
 
 
 def parked_in_bf16(grads, max_norm: float):
@@ -60,22 +75,56 @@ def parked_in_bf16(grads, max_norm: float):
   return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, g / norm * max_norm), grads)
 
 
+def int8_exchange_loss(model, live_layers: int):
+  """`model.loss` as the offload engine with --int8_exchange computes it and its gradient, at groups of live_layers
+  layers and no tail. Each group but the last runs forward on its exact input, while that input is stashed as int8
+  rows (sljax.schedule.quantize_rows); the group's backward recomputes it from the stash, dequantized to the compute
+  dtype, and takes the vjp there. The last group runs forward and backward in one call: it stashes nothing."""
+  dtype = jnp.dtype(model.cfg.dtype)
+  bounds = EngineConfig(live_layers=live_layers).bounds(model.cfg.num_layers)
+
+  @jax.custom_vjp
+  def stashed_group(stacked, h):
+    return model.layers(stacked, h)
+
+  def forward(stacked, h):
+    return model.layers(stacked, h), (stacked, quantize_rows(h))
+
+  def backward(residuals, dy):
+    stacked, stashed = residuals
+    return jax.vjp(model.layers, stacked, dequantize_rows(*stashed, dtype))[1](dy)
+
+  stashed_group.defvjp(forward, backward)
+
+  def loss(params, batch):
+    group = lambda a, b: jax.tree.map(lambda x: x[a:b], params["layers"])
+    h = model.embed(params["outer"], batch["inputs"]).astype(dtype)  # the stash's dtype once dequantized
+    for a, b in bounds[:-1]:
+      h = stashed_group(group(a, b), h)
+    h = model.layers(group(*bounds[-1]), h)
+    total = model.head_loss(params["outer"], h, batch["targets"], batch["weights"])
+    return total * (1 / loss_denominator(jnp.sum(batch["weights"])))
+
+  return loss
+
+
 def train(model, optim_cfg, source, steps: int, eval_batches: list[dict], variant: str = "float32") -> dict:
   """Losses of `steps` plain jitted steps from the model's --seed init, and the held-out loss after them."""
   parked = variant == "bf16_parked_grads" and optim_cfg.grad_clip_norm > 0
   optimizer = make_optimizer(optim_cfg, clip=not parked)
+  model_loss = int8_exchange_loss(model, FLAGS.live_layers) if variant == "int8_exchange" else model.loss
 
   def loss_and_grads(params, batch):
     """The batch's loss and gradient, each sub-batch's summed in fp32 (weighted by its share of the batch's weight)."""
     parts = jax.tree.map(lambda x: x.reshape(FLAGS.sub_batches, -1, *x.shape[1:]), batch)
     share = jnp.sum(parts["weights"], axis=(1, 2)) / loss_denominator(jnp.sum(batch["weights"]))
-    losses, grads = jax.vmap(jax.value_and_grad(model.loss), in_axes=(None, 0))(params, parts)
+    losses, grads = jax.vmap(jax.value_and_grad(model_loss), in_axes=(None, 0))(params, parts)
     grads = jax.tree.map(lambda g: jnp.einsum("s,s...->...", share, g.astype(jnp.float32)), grads)
     return jnp.sum(share * losses), grads
 
   @jax.jit
   def step(params, opt_state, batch):
-    loss, grads = (jax.value_and_grad(model.loss)(params, batch) if FLAGS.sub_batches == 1
+    loss, grads = (jax.value_and_grad(model_loss)(params, batch) if FLAGS.sub_batches == 1
                    else loss_and_grads(params, batch))
     if parked:
       grads = parked_in_bf16(grads, optim_cfg.grad_clip_norm)
@@ -124,6 +173,7 @@ def main(argv):
                 for variant in FLAGS.variants}
   out = {**provenance(), "model": FLAGS.model, "overrides": overrides, "seed": FLAGS.seed, "steps": steps,
          "sub_batches": FLAGS.sub_batches,
+         **({"live_layers": FLAGS.live_layers} if "int8_exchange" in FLAGS.variants else {}),
          "batch": [batch_size, seq_len],
          "optimizer": optim.describe(), "final_steps": min(FLAGS.final_steps, steps),
          "held_out_tokens": eval_count * batch_size * seq_len, "runs": runs, **difference}
@@ -132,4 +182,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_script_flags()
   app.run(main)

@@ -53,6 +53,11 @@ SCALING_ROWS = [  # (file, case, row label)
     ("train_scaling_dp_h200x2.json", "one_gpu", "one GPU (data-parallel run)"),
     ("train_scaling_dp_h200x2.json", "data_parallel", "data:2"),
 ]
+SAVERS_QUALITY = [  # (file, variant, the saver's flag): benchmarks.int8_moments_quality runs, on CPU
+    ("int8_moments_quality_cpu.json", "int8", "--moments_dtype=int8"),
+    ("bf16_parked_grads_quality_cpu.json", "bf16_parked_grads", "--parked_grads_dtype=bfloat16"),
+    ("int8_exchange_quality_cpu.json", "int8_exchange", "--int8_exchange"),
+]
 GENERATE_INT4_RUNS = {"bf16": "generate_llama70b_streamed_bf16_h200.json",  # streamed kernels: file
                       "int4": "generate_llama70b_streamed_int4_h200.json"}
 
@@ -228,6 +233,22 @@ def lora() -> str:
                 ["---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"], rows)
 
 
+def savers_quality() -> str:
+  """Each inexact saver's run against the fp32 run of the same file (same init, batches and gradient sums)."""
+  rows = []
+  for name, variant, flag in SAVERS_QUALITY:
+    r = _load(name)
+    exact, saved, difference = r["runs"]["float32"], r["runs"][variant], r[f"{variant}_minus_float32"]
+    grouping = f", groups of {r['live_layers']} layer(s)" if "live_layers" in r else ""
+    rows.append([f"`{flag}`", f"{r['model']}, {r['steps']:,} steps, {r.get('sub_batches', 1)} sub-batch(es){grouping}",
+                 f"{r['final_steps']}",
+                 *(f"{exact[key]:.3f} / {saved[key]:.3f} ({difference[key]:+.4f})"
+                   for key in ("train_loss_final", "held_out_loss")), f"`{name}`"])
+  return _table(["saver", "run", "final steps", "final train loss: fp32 / saver (difference)",
+                 "held-out loss: fp32 / saver (difference)", "file"], ["---", "---", "---:", "---:", "---:", "---"],
+                rows)
+
+
 def headline() -> str:
   """The README's few numbers, each row from the file it names."""
   train = _load("train_py_llama13b_default_h200.json")
@@ -273,12 +294,12 @@ TABLES = {"headline": headline, "train_throughput": train_throughput, "generate_
           "lora": lora, "train_py": train_py, "generate_int4": generate_int4,
           "vs_deepspeed_llama13b": lambda: vs_deepspeed("vs_deepspeed_llama13b"),
           "vs_deepspeed_fits": lambda: vs_deepspeed("vs_deepspeed_fits"), "generate_vs_accelerate": generate_vs_accelerate,
-          "scaling": scaling, "checkpoint_scale": checkpoint_scale}
+          "scaling": scaling, "checkpoint_scale": checkpoint_scale, "savers_quality": savers_quality}
 FILES = {  # file, from the repository root: the tables it holds (each table in one file)
     "README.md": ("headline",),
     "docs/results.md": ("train_py", "train_throughput", "vs_deepspeed_llama13b", "vs_deepspeed_fits",
                         "generate_vs_accelerate", "generate_vs_peers", "generate_int4", "lora", "scaling",
-                        "checkpoint_scale"),
+                        "checkpoint_scale", "savers_quality"),
 }
 # A section's body never spans another section's start: an empty body ends at its own end marker.
 _SECTION = re.compile(r"(<!-- results: (?P<name>\w+) -->\n)(?P<body>(?:(?!<!-- results:).)*?)(\n?<!-- end results -->)",
