@@ -36,7 +36,7 @@ CASES = {
     "generate_llama70b_int4": ["generate.py", "--model=llama70b", "--random_weights", "--set=dtype=bfloat16",
                                "--streamed_bits=4", "--max_new_tokens=32", "--prompt_file={prompts}"],
 }
-TINY = ["--model=llama-tiny", "--set=num_layers=4", "--set=hidden_size=32", "--set=intermediate_size=64",
+TINY = ["--model=llama-tiny", "--set=num_layers=2", "--set=hidden_size=32", "--set=intermediate_size=64",
         "--set=num_heads=2", "--set=num_kv_heads=1"]
 SMOKE_CASES = {
     "train_offload": ["train.py", *TINY, "--seq_len=32", "--batch_size=4", "--steps=3", "--checkpoint_every=0",

@@ -1,4 +1,5 @@
 import errno
+import functools
 import glob
 import json
 import os
@@ -526,12 +527,15 @@ def test_read_params_reads_the_model_params_of_either_engines_state_by_layer_ran
 # ---- any placement resumes a checkpoint (sljax.checkpoint_layout) ---------------------------------------------------
 
 
+@functools.cache
 def placement_model(dtype: str = "bfloat16"):
   # bf16 compute: a host group keeps a compute copy of its weights, which a checkpoint must not hold.
   return build(get_config("llama-tiny", dict(num_layers=4, hidden_size=32, intermediate_size=48, num_heads=2,
                                              num_kv_heads=1, dtype=dtype)))
 
 
+# One step object per placement, model and optimizer, shared by the tests: each traces its jitted calls once.
+@functools.cache
 def placed_step(model, name: str, clip: float = 0.0, moments: str = "float32") -> steps.StepFunctions:
   """The training step of one placement of `model`: the engine, its layer groups, memory and mesh."""
   optim = OptimConfig(learning_rate=1e-2, warmup_steps=1, decay_steps=8, grad_clip_norm=clip, moments_dtype=moments)
@@ -644,7 +648,8 @@ def test_the_steps_after_a_restore_into_another_placement_continue_the_run(tmp_p
   for batch in batches[2:]:  # the second of them needs the optimizer state too
     state, loss = first.step(state, batch)
     uninterrupted.append(float(loss))
-  second = placed_step(model, restored, clip)
+  # Into another engine object even for the same placement: the restored state alone must carry the run on.
+  second = (placed_step if restored != saved else placed_step.__wrapped__)(model, restored, clip)
   _, state, _ = restore_placed(tmp_path, second)
   resumed = []
   for batch in batches[2:]:
