@@ -249,6 +249,27 @@ def test_on_a_gpu_the_batch_grows_until_the_once_a_step_work_is_a_small_share_of
   assert plan.rows == 1 and "once a step" not in why, why
 
 
+def test_compiled_peaks_persist_between_processes_in_the_cache_folder_by_key(monkeypatch, tmp_path):
+  """With footprint.PEAK_CACHE_ENV set (as the tests set it), a key another process compiled is read back, not
+  compiled again; another key compiles its own. Unset, nothing is written."""
+  compiled = []
+
+  def lowered(temp, output):
+    analysis = type("Analysis", (), {"temp_size_in_bytes": temp, "output_size_in_bytes": output})
+    call = type("Call", (), {"compile": lambda self: type("Compiled", (), {"memory_analysis": lambda _: analysis})()})
+    return lambda: compiled.append((temp, output)) or [call()]
+
+  monkeypatch.setattr(footprint, "_ANALYSES", {})
+  monkeypatch.setenv(footprint.PEAK_CACHE_ENV, str(tmp_path))
+  assert footprint.compiled_peak(("a", 1), lowered(5, 3), outputs=True) == 8
+  monkeypatch.setattr(footprint, "_ANALYSES", {})  # as in another process
+  assert footprint.compiled_peak(("a", 1), lowered(7, 7), outputs=True) == 8
+  assert footprint.compiled_peak(("a", 2), lowered(7, 7)) == 7
+  assert compiled == [(5, 3), (7, 7)] and len(list(tmp_path.iterdir())) == 2
+  monkeypatch.delenv(footprint.PEAK_CACHE_ENV)
+  assert footprint.compiled_peak(("a", 3), lowered(1, 1)) == 1 and len(list(tmp_path.iterdir())) == 2
+
+
 def test_a_target_gpu_is_planned_with_its_own_memory_and_rates():
   h200 = MACHINES["h200"]
   assert target_budget(h200) == Budget(int(135.6 * GIB), 96 * GIB)  # 3/4 of the 128 GiB assumed
