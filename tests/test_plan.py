@@ -24,6 +24,7 @@ from sljax.machines import GIB, Budget, default_budget, target_budget
 from sljax.plan import make_plan, optimizer_state_bytes, plan_batch
 from sljax import schedule
 from sljax.schedule import Engine
+import sljax.sizes
 from sljax.sizes import model_sizes
 
 HUGE = Budget(device_bytes=1 << 50, host_bytes=1 << 50)
@@ -289,6 +290,19 @@ def test_sizes_are_read_from_the_params_shapes(name):
   assert sizes.layer_master_bytes == 4 * sizes.layer_params and sizes.separate_weights
   extra = sizes.layer_weight_bytes - 2 * sizes.layer_params  # vectors at 4 bytes instead of 2
   assert 0 < extra <= 2e-3 * 2 * sizes.layer_params  # tens of KiB per layer
+
+
+def test_sizes_are_read_once_per_model_and_again_for_a_new_cfg(monkeypatch):
+  """A plan asks for a model's sizes at every layout it tries: they are read once per model object, and again when
+  its cfg is replaced."""
+  model = build(get_config("llama-tiny", {"num_layers": 2}))
+  reads, read_sizes = [], sljax.sizes._read_sizes
+  monkeypatch.setattr(sljax.sizes, "_read_sizes", lambda m: reads.append(m.cfg) or read_sizes(m))
+  first = planner.model_sizes(model)
+  assert planner.model_sizes(model) is first and len(reads) == 1
+  model.cfg = dataclasses.replace(model.cfg, num_layers=3)
+  assert planner.model_sizes(model).num_layers == 3 and len(reads) == 2
+  assert planner.model_sizes(build(model.cfg)).num_layers == 3 and len(reads) == 3  # another model object
 
 
 @pytest.mark.slow
