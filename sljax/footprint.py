@@ -8,6 +8,10 @@ sljax.machines, `--target` included). Loads no engine: inference plans with it t
 """
 
 import dataclasses
+import hashlib
+import json
+import os
+import tempfile
 from typing import Callable, Hashable, NamedTuple
 
 import jax
@@ -112,6 +116,10 @@ def step_seconds(machine: Machine, passes: list[Pass]) -> float:
 
 
 _ANALYSES: dict = {}  # (temp, output) bytes of compiled calls by the planner's key: compiles take seconds
+# A folder where the analyses also persist between processes of one source tree (the key does not name the code),
+# for processes that plan the same tiny models again and again: the tests' train.py runs (tests/conftest.py sets it).
+# Unset, each process compiles its own.
+PEAK_CACHE_ENV = "SLJAX_COMPILED_PEAK_CACHE"
 
 
 def compiled_peak(key: Hashable, lowered: Callable[[], list], outputs: bool = False) -> int:
@@ -119,6 +127,28 @@ def compiled_peak(key: Hashable, lowered: Callable[[], list], outputs: bool = Fa
   compiles them: XLA's temp bytes, plus the outputs' where the plan does not count those as parts of its own. Cached
   by `key`, which must name everything the calls' shapes depend on."""
   if key not in _ANALYSES:
-    _ANALYSES[key] = [(a.temp_size_in_bytes, a.output_size_in_bytes)
-                      for a in (call.compile().memory_analysis() for call in lowered())]
+    _ANALYSES[key] = _persisted(key, lambda: [(a.temp_size_in_bytes, a.output_size_in_bytes)
+                                              for a in (call.compile().memory_analysis() for call in lowered())])
   return max(temp + (output if outputs else 0) for temp, output in _ANALYSES[key])
+
+
+def _persisted(key: Hashable, analyses: Callable[[], list]) -> list:
+  """analyses(), read from (or written to) PEAK_CACHE_ENV's folder when it is set, under a name hashed from `key`'s
+  repr and what else the compiler's result depends on: jax's version and settings, the backend and XLA_FLAGS. A key
+  whose repr names an object's address only misses."""
+  folder = os.environ.get(PEAK_CACHE_ENV)
+  if not folder:
+    return analyses()
+  device = jax.devices()[0]
+  named = repr((key, jax.__version__, device.platform, device.device_kind, os.environ.get("XLA_FLAGS"),
+                sorted(jax.config.values.items())))
+  path = os.path.join(folder, hashlib.sha256(named.encode()).hexdigest() + ".json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return [tuple(pair) for pair in json.load(f)]
+  result = analyses()
+  os.makedirs(folder, exist_ok=True)
+  with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:  # whole files only
+    json.dump(result, f)
+  os.replace(f.name, path)
+  return result

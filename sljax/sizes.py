@@ -2,6 +2,7 @@
 contract in models.common plans, not only the presets. Loads no engine, so inference can use it."""
 
 import dataclasses
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -38,8 +39,27 @@ class ModelSizes:
 def model_sizes(model) -> ModelSizes:
   """Sizes of any models.common.TrainingModel from jax.eval_shape of its init_layers / init_outer / embed / layers
   (and init_cache, for a GenerationModel): nothing is allocated, no preset field is read. The FLOPs are the config's
-  `flops_per_token(seq_len)` where it has one, else 6 x params + causal attention (6 L S D per token)."""
+  `flops_per_token(seq_len)` where it has one, else 6 x params + causal attention (6 L S D per token). Read once per
+  model object while its cfg stays the same object: a plan asks for them at every layout it tries."""
   check_model(model)
+  try:
+    cfg, sizes = _SIZES[model]
+    if cfg is model.cfg:
+      return sizes
+  except (KeyError, TypeError):  # not read yet, or a model that cannot be weakly referenced or hashed
+    pass
+  sizes = _read_sizes(model)
+  try:
+    _SIZES[model] = (model.cfg, sizes)
+  except TypeError:
+    pass
+  return sizes
+
+
+_SIZES = weakref.WeakKeyDictionary()  # model -> (its cfg, its ModelSizes): each read traces its init and layers
+
+
+def _read_sizes(model) -> ModelSizes:
   key = jax.random.key(0)
   layer = jax.eval_shape(lambda: model.init_layers(jax.random.split(key, 1)))
   outer = jax.eval_shape(model.init_outer, key)

@@ -19,6 +19,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # inherit it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
+from sljax.footprint import PEAK_CACHE_ENV  # noqa: E402
+
+# One compiled-peak cache too: a train.py process that plans a tiny model planned before reads its compiled calls'
+# peaks instead of lowering and compiling them again (2 s of its 8).
+os.environ.setdefault(PEAK_CACHE_ENV, tempfile.mkdtemp(prefix="sljax_test_peak_cache_"))
+
 from hypothesis import settings  # noqa: E402
 
 # CI draws the same random configs every run (reproducible); locally each run explores new ones.

@@ -24,6 +24,7 @@ from sljax.machines import GIB, Budget, default_budget, target_budget
 from sljax.plan import make_plan, optimizer_state_bytes, plan_batch
 from sljax import schedule
 from sljax.schedule import Engine
+import sljax.sizes
 from sljax.sizes import model_sizes
 
 HUGE = Budget(device_bytes=1 << 50, host_bytes=1 << 50)
@@ -249,6 +250,27 @@ def test_on_a_gpu_the_batch_grows_until_the_once_a_step_work_is_a_small_share_of
   assert plan.rows == 1 and "once a step" not in why, why
 
 
+def test_compiled_peaks_persist_between_processes_in_the_cache_folder_by_key(monkeypatch, tmp_path):
+  """With footprint.PEAK_CACHE_ENV set (as the tests set it), a key another process compiled is read back, not
+  compiled again; another key compiles its own. Unset, nothing is written."""
+  compiled = []
+
+  def lowered(temp, output):
+    analysis = type("Analysis", (), {"temp_size_in_bytes": temp, "output_size_in_bytes": output})
+    call = type("Call", (), {"compile": lambda self: type("Compiled", (), {"memory_analysis": lambda _: analysis})()})
+    return lambda: compiled.append((temp, output)) or [call()]
+
+  monkeypatch.setattr(footprint, "_ANALYSES", {})
+  monkeypatch.setenv(footprint.PEAK_CACHE_ENV, str(tmp_path))
+  assert footprint.compiled_peak(("a", 1), lowered(5, 3), outputs=True) == 8
+  monkeypatch.setattr(footprint, "_ANALYSES", {})  # as in another process
+  assert footprint.compiled_peak(("a", 1), lowered(7, 7), outputs=True) == 8
+  assert footprint.compiled_peak(("a", 2), lowered(7, 7)) == 7
+  assert compiled == [(5, 3), (7, 7)] and len(list(tmp_path.iterdir())) == 2
+  monkeypatch.delenv(footprint.PEAK_CACHE_ENV)
+  assert footprint.compiled_peak(("a", 3), lowered(1, 1)) == 1 and len(list(tmp_path.iterdir())) == 2
+
+
 def test_a_target_gpu_is_planned_with_its_own_memory_and_rates():
   h200 = MACHINES["h200"]
   assert target_budget(h200) == Budget(int(135.6 * GIB), 96 * GIB)  # 3/4 of the 128 GiB assumed
@@ -268,6 +290,19 @@ def test_sizes_are_read_from_the_params_shapes(name):
   assert sizes.layer_master_bytes == 4 * sizes.layer_params and sizes.separate_weights
   extra = sizes.layer_weight_bytes - 2 * sizes.layer_params  # vectors at 4 bytes instead of 2
   assert 0 < extra <= 2e-3 * 2 * sizes.layer_params  # tens of KiB per layer
+
+
+def test_sizes_are_read_once_per_model_and_again_for_a_new_cfg(monkeypatch):
+  """A plan asks for a model's sizes at every layout it tries: they are read once per model object, and again when
+  its cfg is replaced."""
+  model = build(get_config("llama-tiny", {"num_layers": 2}))
+  reads, read_sizes = [], sljax.sizes._read_sizes
+  monkeypatch.setattr(sljax.sizes, "_read_sizes", lambda m: reads.append(m.cfg) or read_sizes(m))
+  first = planner.model_sizes(model)
+  assert planner.model_sizes(model) is first and len(reads) == 1
+  model.cfg = dataclasses.replace(model.cfg, num_layers=3)
+  assert planner.model_sizes(model).num_layers == 3 and len(reads) == 2
+  assert planner.model_sizes(build(model.cfg)).num_layers == 3 and len(reads) == 3  # another model object
 
 
 @pytest.mark.slow
