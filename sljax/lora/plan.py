@@ -65,8 +65,10 @@ class LoraPlan(NamedTuple):
     stash = "in pinned host" if e.activations_on_host else "on the device"
     rows = f" ({self.rows} rows x {self.devices} devices, each with the whole base)" if self.devices > 1 else ""
     return "\n".join([
-        f"LoRA plan: batch {self.batch}{rows} as {e.sub_batches} sub-batches, {e.resident_layers} base layers resident "
-        f"(the rest stream), {e.live_layers} per group, activations {stash}"
+        f"LoRA plan: batch {self.batch}{rows} as {e.sub_batches} sub-batches, "
+        + (f"all {self.layers} base layers resident" if e.resident_layers >= self.layers
+           else f"{e.resident_layers} of {self.layers} base layers resident (the rest stream)")
+        + f", {e.live_layers} per group, activations {stash}"
         + (f"; the base's kernels as int{self.base_bits} codes with scales" if self.base_bits else "")
         + (f"; the last {e.tail_layers} layers one group that keeps its residuals (not recomputed)"
            if e.tail_layers else ""),
