@@ -85,6 +85,7 @@ def summarize(command: list[str], log: str, losses: list[float | None], seconds:
           sum(losses[-ten:]) / ten < sum(losses[:ten]) / ten),
   }
   device = re.search(r"compute on (.+?); workdir", log)
+  peaks = re.search(r"^memory peaks: (\{.*\})$", log, re.MULTILINE)  # train.py --memory_peaks (bytes)
   return {
       **provenance(device[1] if device else None), "command": " ".join(["python", "train.py", *command]),
       "returncode": returncode,
@@ -94,7 +95,7 @@ def summarize(command: list[str], log: str, losses: list[float | None], seconds:
       "plan": plan, "windows": found,
       "steps_in_steady_window": f"{found[0]['last_step'] + 1}-{found[-1]['last_step']}" if steady else None,
       "tokens_per_s_steady": tokens_per_s, "mfu_steady": mfu, "hfu_steady": steady_mean("hfu"), "losses": losses,
-      "goals": goals,
+      "memory_peaks": json.loads(peaks[1]) if peaks else None, "goals": goals,
   }
 
 

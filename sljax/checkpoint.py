@@ -211,7 +211,8 @@ class StateHandler(ocp.CheckpointHandler):
   """Saves and restores a state (a View, or a pytree of jax arrays) part by part within `staging_bytes` of extra host
   memory, `writers` + 1 parts at a time: a save copies the next part out of device or pinned memory and checks it
   while up to `writers` parts are written at once; a restore reads (and verifies) up to `readers` (by default as many
-  as the budget holds, `readers_for`) parts at once while the one before them is placed. `timings` says where the last one's time went."""
+  as the budget holds, `readers_for`) parts at once, ahead of the one being placed as far as the budget's bytes
+  allow. `timings` says where the last one's time went."""
 
   def __init__(self, staging_bytes: int = STAGING_BYTES, readers: int | None = None):
     self.writers = writers_for(staging_bytes)
@@ -312,9 +313,9 @@ class StateHandler(ocp.CheckpointHandler):
 
   def _read_parts(self, directory: epath.Path, wanted=lambda entry: True):
     """(manifest entry, verified numpy array) of each saved array `wanted` accepts, in manifest order, skipping the
-    parts that hold none of them. Up to `writers` parts are read (and verified) at once while the caller takes the
-    ones before them: writers + 1 parts held at most, and, after the first one ahead, no more bytes than writers + 1
-    parts of this handler's size (a checkpoint written with larger parts is read fewer at a time)."""
+    parts that hold none of them. Up to `readers` parts are read (and verified) at once, a reader going on to the next
+    part as soon as its own is read, while the caller takes them in order, within RESTORE_BYTES_PER_PART_BYTE x
+    (readers + 1) parts of this handler's size of host memory (below)."""
     manifest = read_manifest(directory)
     by_part, held = collections.defaultdict(list), collections.Counter()
     for entry in manifest["arrays"]:
@@ -337,31 +338,54 @@ class StateHandler(ocp.CheckpointHandler):
           _verify(entry, value)
       return kept
 
-    budget = (self.readers + 1) * self.part_bytes
+    # Parts are read in manifest order by up to `readers` threads and handed over in that order. A part costs host
+    # memory by its state: RESTORE_BYTES_PER_PART_BYTE x its bytes while it is read (orbax's buffers and the arrays),
+    # its bytes once read (the arrays, waiting for or held by the caller). A reader whose part is read before the
+    # ones ahead of it takes the next part at once, while the bytes of all parts allow: a slow part holds up the
+    # caller, not the other readers. The budget is RESTORE_BYTES_PER_PART_BYTE x (readers + 1) parts of this handler's
+    # size, and one part is read ahead at least (a checkpoint written with larger parts is read fewer at a time).
+    budget = RESTORE_BYTES_PER_PART_BYTE * (self.readers + 1) * self.part_bytes
+    lock, ahead, following = threading.RLock(), collections.deque(), iter(indices)
+    state = {"upcoming": next(following, None), "reading": 0, "cost": 0.0, "stopped": False}
     with concurrent.futures.ThreadPoolExecutor(max_workers=self.readers) as pool:
-      ahead, following = collections.deque(), iter(indices)
-      upcoming = next(following, None)
 
-      def read_ahead(taken: int):
-        """Starts reading the next parts while fewer than `writers` are ahead and their bytes, with the `taken`
-        bytes of the part the caller holds, fit the budget; one part ahead at least."""
-        nonlocal upcoming
-        while upcoming is not None and len(ahead) < self.readers and (
-            not ahead or taken + sum(size for size, _ in ahead) + held[upcoming] <= budget):
-          ahead.append((held[upcoming], pool.submit(read, upcoming)))
-          upcoming = next(following, None)
+      def read_ahead():
+        with lock:
+          while not state["stopped"] and state["upcoming"] is not None and (not ahead or (
+              state["reading"] < self.readers
+              and state["cost"] + RESTORE_BYTES_PER_PART_BYTE * held[state["upcoming"]] <= budget)):
+            size = held[state["upcoming"]]
+            state["reading"] += 1
+            state["cost"] += RESTORE_BYTES_PER_PART_BYTE * size
+            future = pool.submit(read, state["upcoming"])
+            ahead.append((size, future))
+            state["upcoming"] = next(following, None)
+            future.add_done_callback(functools.partial(was_read, size))
 
-      read_ahead(0)
-      while ahead:
-        size, arrived = ahead.popleft()
-        with self.timings.timed("wait for readers"):
-          part = arrived.result()
-        read_ahead(size)
-        while part:
-          yield part.pop(0)
-        del arrived, part
-        _return_freed_memory()
-        read_ahead(0)
+      def was_read(size: int, future: concurrent.futures.Future):
+        with lock:
+          state["reading"] -= 1
+          state["cost"] -= (RESTORE_BYTES_PER_PART_BYTE - 1) * size  # its arrays stay until the caller is done
+          state["stopped"] |= future.cancelled() or future.exception() is not None
+        read_ahead()
+
+      try:
+        read_ahead()
+        while ahead:  # never empty while parts are left: read_ahead starts one whenever none is ahead
+          with lock:
+            size, arrived = ahead.popleft()
+          with self.timings.timed("wait for readers"):
+            part = arrived.result()
+          while part:
+            yield part.pop(0)
+          del arrived, part
+          _return_freed_memory()
+          with lock:
+            state["cost"] -= size
+          read_ahead()
+      finally:
+        with lock:
+          state["stopped"] = True
 
   def metadata(self, directory: epath.Path):
     return read_manifest(directory)

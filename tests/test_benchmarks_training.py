@@ -181,6 +181,10 @@ def test_train_py_run_reads_a_lora_plan():
           "  forward: compute 3.24 s, copies 0.71 s; backward: compute 6.48 s, copies 0.71 s (compute-bound)"]
   result = summarize(["--lora_rank=16"], "\n".join(["note: a", *plan, "recipe of llama70b"]), [13.1], 1.0, 1)
   assert result["plan"] == "\n".join(plan) and result["goals"]["plan_compute_bound"] is True
+  assert result["memory_peaks"] is None
+  peaks = 'memory peaks: {"device": 3, "device_allocator": 5, "pinned_host": 2}'
+  assert summarize([], "\n".join(["note: a", peaks, "done"]), [1.0], 1.0, 0)["memory_peaks"] == {
+      "device": 3, "device_allocator": 5, "pinned_host": 2}
 
 
 @pytest.mark.slow

@@ -310,9 +310,19 @@ def slow_reads_and_places(monkeypatch, events: list):
   monkeypatch.setattr(checkpoint, "_place", placing)
 
 
-def test_a_restore_reads_several_parts_at_once_while_one_is_placed_in_order_and_holds_readers_plus_one_at_most(
+def held_part_bytes(events: list[tuple]) -> float:
+  """The most host memory a restore held at once, in part bytes of equal parts, by the cost the restore assumes:
+  RESTORE_BYTES_PER_PART_BYTE while a part is read, 1 once it is read until it is placed."""
+  cost, most, now = checkpoint.RESTORE_BYTES_PER_PART_BYTE, 0.0, 0.0
+  for kind, _ in events:
+    now += {"read": cost, "verified": 1 - cost, "placed": -1}.get(kind, 0)
+    most = max(most, now)
+  return most
+
+
+def test_a_restore_reads_several_parts_at_once_in_order_within_its_bytes_and_no_reader_waits_for_the_caller(
     tmp_path, monkeypatch, kib_parts):
-  state = kib_arrays(12)
+  state = kib_arrays(16)
   save_steps_with(tmp_path, state, staging_bytes=kib_parts)
   events = []
   slow_reads_and_places(monkeypatch, events)
@@ -320,9 +330,13 @@ def test_a_restore_reads_several_parts_at_once_while_one_is_placed_in_order_and_
   readers = checkpointer.state_handler.readers
   assert readers == 5  # 20 parts' worth of budget at 3 part bytes a part in flight: 6 parts, one of them placed
   restored = checkpointer.restore_latest(abstract_like(state))[1]
-  assert [value for kind, value in events if kind == "placed"] == list(range(12))  # in manifest order
+  assert [value for kind, value in events if kind == "placed"] == list(range(16))  # in manifest order
   assert in_flight(events, "read", "verified") == readers  # read at once
-  assert in_flight(events, "read", "placed") == readers + 1  # while the one before them is placed
+  # Placing (0.1 s a part) is slower than 5 readers (0.2 s a part each): readers whose part waits for the caller go
+  # on to the next parts, as far as the bytes allow: more than readers + 1 parts between read and placed, never more
+  # than 3 part bytes for each of readers + 1 parts.
+  assert in_flight(events, "read", "placed") > readers + 1
+  assert held_part_bytes(events) <= checkpoint.RESTORE_BYTES_PER_PART_BYTE * (readers + 1)
   assert all(np.array_equal(np.asarray(restored[name]), np.asarray(state[name])) for name in state)
 
 

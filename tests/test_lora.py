@@ -340,6 +340,25 @@ def test_a_plan_with_the_whole_base_resident_keeps_residuals_in_the_longest_tail
     plan_lora(model, 8, budget, batch=4, tail_layers=part.engine.tail_layers + 1)
 
 
+def test_a_plan_with_the_whole_base_resident_splits_the_batch_where_a_longer_tail_computes_less(monkeypatch):
+  """A tail holds one sub-batch's residuals per layer: where the whole base is resident and the tail cannot hold
+  every layer, the batch in more sub-batches (of MIN_TAIL_CALL_TOKENS a call at least) keeps a longer tail within
+  the same budget, and the plan takes it when its step computes less; a sub-batch count given is kept."""
+  from sljax.lora import plan as lora_plan
+  model = _model("llama", rank=2, num_layers=8)
+  none = plan_lora(model, 8, Budget(GIB, GIB), batch=4, tail_layers=0)
+  whole = plan_lora(model, 8, Budget(GIB, GIB), batch=4)
+  budget = Budget((none.footprint.device_bytes + whole.footprint.device_bytes) // 2, GIB)
+  one = plan_lora(model, 8, budget, batch=4)  # calls of 32 tokens: below the floor, one sub-batch
+  monkeypatch.setattr(lora_plan, "MIN_TAIL_CALL_TOKENS", 8)  # a row a call
+  split = plan_lora(model, 8, budget, batch=4)
+  assert one.engine.sub_batches == 1 and split.engine.sub_batches == 4 and split.footprint.fits(budget)
+  assert one.engine.tail_layers < split.engine.tail_layers and split.engine.resident_layers == 8
+  compute = lambda plan: sum(phase.compute_seconds for phase in plan.phases.values())
+  assert compute(split) < compute(one)
+  assert plan_lora(model, 8, budget, batch=4, sub_batches=1).engine.tail_layers == one.engine.tail_layers
+
+
 @pytest.mark.slow
 def test_lora_on_an_int4_base_fine_tunes_as_on_the_bf16_one(tmp_path):
   """benchmarks/qlora_quality.py's smoke: a tiny model pretrained 30 steps, then LoRA fine-tuned 10 steps on its bf16

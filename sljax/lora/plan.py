@@ -65,8 +65,10 @@ class LoraPlan(NamedTuple):
     stash = "in pinned host" if e.activations_on_host else "on the device"
     rows = f" ({self.rows} rows x {self.devices} devices, each with the whole base)" if self.devices > 1 else ""
     return "\n".join([
-        f"LoRA plan: batch {self.batch}{rows} as {e.sub_batches} sub-batches, {e.resident_layers} base layers resident "
-        f"(the rest stream), {e.live_layers} per group, activations {stash}"
+        f"LoRA plan: batch {self.batch}{rows} as {e.sub_batches} sub-batches, "
+        + (f"all {self.layers} base layers resident" if e.resident_layers >= self.layers
+           else f"{e.resident_layers} of {self.layers} base layers resident (the rest stream)")
+        + f", {e.live_layers} per group, activations {stash}"
         + (f"; the base's kernels as int{self.base_bits} codes with scales" if self.base_bits else "")
         + (f"; the last {e.tail_layers} layers one group that keeps its residuals (not recomputed)"
            if e.tail_layers else ""),
@@ -110,6 +112,11 @@ def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, 
   return compiled_peak((type(model.base), model.cfg, model.lora, live_layers, last_layers, rows, seq_len), lowered)
 
 
+# The fewest tokens a sub-batch call of a tail plan takes (plan_lora): a llama70b layer's matmuls at 2048 tokens are
+# still large (2048 x 8192 x 28672); fewer would trade the tail's recompute for slower calls.
+MIN_TAIL_CALL_TOKENS = 2048
+
+
 def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, sub_batches: int = 0,
               live_layers: int = 1, max_rows: int = 256, optimizer: optax.GradientTransformation | None = None,
               target: Machine | None = None, tail_layers: int | None = None, devices: int = 1) -> LoraPlan:
@@ -118,7 +125,8 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
   the device holds beside the adapters' state, the activations and the compiled calls' peak (the rest stream from
   pinned host); and (batch 0) the fewest rows whose passes are compute-bound with a margin, else the most that fit.
   Then, where the whole base stays on the device, a tail (LoraEngineConfig.tail_layers; tail_layers: that one, 0
-  none) as long as the memory left holds: its layers keep their residuals instead of being recomputed.
+  none) as long as the memory left holds: its layers keep their residuals instead of being recomputed; with sub_batches
+  0, the batch split into more sub-batches where their longer tail makes the step's compute shorter.
   target: plan for one GPU of that machine (its rates; made on a CPU, the calls' compiled peak corrected by
   sljax.plan.gpu_peak_from_cpu, an estimate) instead of for this process's device. devices: the data-parallel mesh's
   size; the batch is then rows x devices, every device takes its rows of each sub-batch (max_rows: per device), and
@@ -227,4 +235,20 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
         break
     if best is None:
       raise ValueError(f"LoRA: not even {step} rows of {seq_len} tokens{' per device' * (devices > 1)} fit {memory}")
-  return longest_tail(best) if tail_layers is None else best
+  if tail_layers is not None:
+    return best
+  best_tail = longest_tail(best)
+  if sub_batches or best.engine.resident_layers < layers or best_tail.last_layers == layers:
+    return best_tail
+  # With the whole base on the device, more sub-batches of fewer rows keep a longer tail (it holds one sub-batch's
+  # residuals per layer), so fewer layers are recomputed. The split into the most sub-batches of MIN_TAIL_CALL_TOKENS
+  # a call at least is tried beside the one above (the splits between them have shorter tails, and each tail search
+  # lowers several calls), and the one whose step computes less is kept.
+  rows, plans = best.rows // devices, [best_tail]
+  most = max((n for n in range(1, rows + 1) if rows % n == 0 and rows // n * seq_len >= MIN_TAIL_CALL_TOKENS),
+             default=best.engine.sub_batches)
+  if most > best.engine.sub_batches:
+    plan = layout(rows, most, 0)
+    if plan is not None and plan.engine.resident_layers == layers:
+      plans.append(longest_tail(plan))
+  return min(plans, key=lambda plan: sum(phase.compute_seconds for phase in plan.phases.values()))
