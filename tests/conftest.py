@@ -1,6 +1,7 @@
 """Eight CPU devices for mesh tests, one compilation cache, quick compiles; must run before jax is imported."""
 
 import os
+import shutil
 import sys
 import tempfile
 
@@ -9,9 +10,20 @@ import tempfile
 FAST_COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+_MADE_FOLDERS = []  # the session folders this process made (xdist's workers inherit the controller's): gone at its end
+
+
+def session_folder(variable: str, prefix: str):
+  """Sets `variable` to a new temporary folder for the session, unless it is set already."""
+  if variable not in os.environ:
+    os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+    _MADE_FOLDERS.append(os.environ[variable])
+
+
 # One compilation cache for the session, its subprocesses included: the CLI tests build the same tiny steps again
 # and again, each run jitting new closures of them.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="sljax_test_jax_cache_"))
+session_folder("JAX_COMPILATION_CACHE_DIR", "sljax_test_jax_cache_")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # The tests compile far more than they run: without LLVM's optimizations XLA:CPU compiles in about half the time
@@ -23,7 +35,7 @@ from sljax.footprint import PEAK_CACHE_ENV  # noqa: E402
 
 # One compiled-peak cache too: a train.py process that plans a tiny model planned before reads its compiled calls'
 # peaks instead of lowering and compiling them again (2 s of its 8).
-os.environ.setdefault(PEAK_CACHE_ENV, tempfile.mkdtemp(prefix="sljax_test_peak_cache_"))
+session_folder(PEAK_CACHE_ENV, "sljax_test_peak_cache_")
 
 from hypothesis import settings  # noqa: E402
 
@@ -40,3 +52,8 @@ def pytest_configure(config):
   # The fast tier, `-m "not slow"`, keeps at least one test of each module's core behaviour (tests/test_suite.py).
   config.addinivalue_line("markers", "slow: end-to-end, CLI or subprocess tests that cost most of the suite's time; "
                                      "-m 'not slow' skips them")
+
+
+def pytest_unconfigure(config):
+  for folder in _MADE_FOLDERS:
+    shutil.rmtree(folder, ignore_errors=True)
