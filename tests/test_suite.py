@@ -70,3 +70,12 @@ def test_the_fast_tier_keeps_each_modules_core_tests():
     with open(path) as f:
       assert f"def {test}(" in f.read(), (name, test)
     assert test not in marked_slow(path), f"{name}::{test} is the fast tier's core test of its module"
+
+
+def test_the_longest_first_order_names_test_files():
+  """conftest.py's LONGEST_FIRST, the order xdist hands out the long files in: each a test file, once."""
+  with open(os.path.join(TESTS, "conftest.py")) as f:
+    tree = ast.parse(f.read())
+  (longest,) = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                and [ast.unparse(target) for target in node.targets] == ["LONGEST_FIRST"]]
+  assert len(set(longest)) == len(longest) and {name[:-3] for name in longest} <= TEST_MODULES - {"conftest"}, longest
