@@ -222,17 +222,17 @@ def gpu_peak_from_cpu(cpu_peak: int, call: str = "last_group") -> int:
   (the CPU's attention part grows as seq^2, the GPU's does not, so at shorter sequences it undershoots), with other
   families (OPT), with several layers per group, or on another GPU or XLA version."""
   reference = build(dataclasses.replace(get_config(GPU_PEAK_MODEL), remat=False))
-  sizes = model_sizes(reference)
+  key = _peak_key(reference, call, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ)
+  sizes = compiled_sizes(key, lambda: _lowered_calls(reference, call, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ))
   if call == "last_group":
-    # The one call's outputs: the loss, dx and the fp32 gradients of its layer and of the embeddings + head.
-    measured = GPU_PEAK_BYTES - (4 + sizes.activation_bytes(GPU_PEAK_ROWS, GPU_PEAK_SEQ)
-                                 + 4 * (sizes.layer_params + sizes.outer_params))
-    cpu = (_residual_bytes(reference, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ)
-           + _call_peak(reference, "last_group", 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ))
+    # The one call's outputs: the head's (the loss, dh, the embeddings' + head's gradient) and the backward's (dx,
+    # the layer's gradient) less dh, which was not one. Its CPU side: the residuals and the calls' most scratch.
+    outputs = sizes[1][1] + sizes[2][1] - model_sizes(reference).activation_bytes(GPU_PEAK_ROWS, GPU_PEAK_SEQ)
+    measured, cpu = GPU_PEAK_BYTES - outputs, _residual_bytes(reference, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ) + max(
+        temp for temp, _ in sizes)
   else:
-    # dx and the group's fp32 gradient.
-    measured = GPU_BACKWARD_PEAK_BYTES - sizes.activation_bytes(GPU_PEAK_ROWS, GPU_PEAK_SEQ) - 4 * sizes.layer_params
-    cpu = _call_peak(reference, "backward", 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ)
+    (cpu, outputs), = sizes
+    measured = GPU_BACKWARD_PEAK_BYTES - outputs
   return int(cpu_peak * measured / cpu)
 
 
