@@ -278,16 +278,18 @@ def check_training_batch(batch, cfg) -> int:
 @jax.tree_util.register_pytree_node_class
 class Residuals:
   """What a layer's backward needs from its forward (a `jax.vjp`'s residuals) as outputs of the forward's call, each
-  its own device buffer with a slot per device (a leading axis laid out `PER_DEVICE`), less the layer's weights: the
-  backward takes those again rather than the forward returning copies. `layout` (static): the vjp's tree structure
-  and, per residual, which kept array (>= 0) or weight leaf (-1 - j) it is."""
+  its own device buffer with a slot per device (a leading axis laid out `PER_DEVICE`), less the layer's weights (any
+  residual that is a leaf of the call's weight trees): the backward takes those again rather than the forward
+  returning copies. `layout` (static): the vjp's tree structure and, per residual, which kept array (>= 0) or weight
+  leaf (-1 - j, counting the trees' leaves in order) it is."""
 
   def __init__(self, kept: list, layout: tuple):
     self.kept, self.layout = kept, layout
 
   @classmethod
-  def of(cls, vjp, weights) -> "Residuals":
-    """The residuals of `vjp` (a `jax.vjp` function traced on `weights`, inside `Placement.local`)."""
+  def of(cls, vjp, *weights) -> "Residuals":
+    """The residuals of `vjp` (a `jax.vjp` function traced on `weights`, trees of one layer's, inside
+    `Placement.local`)."""
     leaves, structure = jax.tree.flatten(vjp)
     weight_leaf = {id(w): j for j, w in enumerate(jax.tree.leaves(weights))}
     kept, sources = [], []
@@ -299,8 +301,8 @@ class Residuals:
         kept.append(leaf[None])
     return cls(kept, (structure, tuple(sources)))
 
-  def vjp(self, weights):
-    """The vjp function again, its weights' residuals taken from `weights` (the same layer's)."""
+  def vjp(self, *weights):
+    """The vjp function again, its weights' residuals taken from `weights` (the same layer's, as `of` took them)."""
     structure, sources = self.layout
     weight_leaves = jax.tree.leaves(weights)
     return structure.unflatten([self.kept[i][0] if i >= 0 else weight_leaves[-1 - i] for i in sources])
