@@ -126,10 +126,15 @@ def compiled_peak(key: Hashable, lowered: Callable[[], list], outputs: bool = Fa
   """The most scratch one of the calls `lowered()` returns (jax `Lowered` objects) needs, as this process's backend
   compiles them: XLA's temp bytes, plus the outputs' where the plan does not count those as parts of its own. Cached
   by `key`, which must name everything the calls' shapes depend on."""
+  return max(temp + (output if outputs else 0) for temp, output in compiled_sizes(key, lowered))
+
+
+def compiled_sizes(key: Hashable, lowered: Callable[[], list]) -> list[tuple[int, int]]:
+  """(XLA's temp bytes, output bytes) of each call `lowered()` returns, in its order, cached as `compiled_peak`."""
   if key not in _ANALYSES:
     _ANALYSES[key] = _persisted(key, lambda: [(a.temp_size_in_bytes, a.output_size_in_bytes)
                                               for a in (call.compile().memory_analysis() for call in lowered())])
-  return max(temp + (output if outputs else 0) for temp, output in _ANALYSES[key])
+  return _ANALYSES[key]
 
 
 def _persisted(key: Hashable, analyses: Callable[[], list]) -> list:

@@ -7,14 +7,16 @@ memory comes from XLA's compiled memory analysis of the group steps, not from a 
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from models.presets import build, get_config
-from sljax.footprint import (COMPUTE_MARGIN, MARGIN, SCRATCH, SUB_BATCH_TOKENS, Footprint, Pass, compiled_peak, compute_bound,
-                             for_gpu, machine_for, margin_bytes, pass_copy_seconds, step_seconds)
+from sljax.footprint import (COMPUTE_MARGIN, MARGIN, SCRATCH, SUB_BATCH_TOKENS, Footprint, Pass, compiled_peak,
+                             compiled_sizes, compute_bound, for_gpu, machine_for, margin_bytes, pass_copy_seconds,
+                             step_seconds)
 from sljax.machines import GIB, REFERENCE, Budget, Machine
 from sljax.memory import tree_bytes
 from sljax.schedule import (Engine, EngineConfig, in_flight_bytes, retired_host_bytes,
@@ -29,15 +31,20 @@ MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
 ONCE_A_STEP_SHARE = 0.03
 
 # The measurements of compiled peaks on a GPU: llama13b, one layer per group, a sub-batch of 8 x 2048 rows, on the
-# H200, as XLA's temp + output bytes. The last group's call: 8.5 GiB ("compiled step peak" in the plans of
-# benchmarks/results/train_throughput_h200.json and train_scaling*_h200x2.json, printed to 0.1 GiB). Another group's
-# backward: 4.2 GiB, the 8.5 less the 4.3 that the big_clip plan in train_throughput_h200.json takes away as
-# NEVER_TOGETHER (there the backward runs beside all the parked gradients, the last group's call beside none). See
-# gpu_peak_from_cpu.
+# H200, as XLA's temp + output bytes. The last group's call, when it ran as one call (its residuals in its scratch):
+# 8.5 GiB ("compiled step peak" in the plans of benchmarks/results/train_throughput_h200.json and
+# train_scaling*_h200x2.json, printed to 0.1 GiB). Another group's backward: 4.2 GiB, the 8.5 less the 4.3 that the
+# big_clip plan in train_throughput_h200.json takes away as "calls' scratch and parked grads never together" (there
+# the backward runs beside all the parked gradients, the last group's call beside none). See gpu_peak_from_cpu.
 GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(8.5 * GIB)
 GPU_BACKWARD_PEAK_BYTES = int(4.2 * GIB)
-# The device part, with clipping, that takes away what the calls' scratch and the parked gradients count twice.
-NEVER_TOGETHER = "calls' scratch and parked grads never together"
+# The last group's residuals for one sub-batch: outputs of its layers' forward calls, each layer's its own buffers.
+RESIDUALS = "last group's residuals (one sub-batch)"
+# With clipping, what the residuals and the parked gradients count twice: the step never holds both.
+RESIDUALS_APART = "residuals and parked grads never together"
+# What the calls' scratch counts twice with the residuals or the parked gradients: the last group's calls run beside
+# its residuals and no parked gradient, another group's backward beside the parked gradients and no residuals.
+NEVER_TOGETHER = "calls' scratch never beside both"
 # A pass of a step, for the results files and tests that read plan.phases.
 Phase = Pass
 
@@ -112,8 +119,9 @@ class Plan:
     e = self.engine
     rows = [
         f"sub-batches {e.sub_batches} x {self.sub_batch_size} rows, {e.live_layers} layer(s) per group, "
-        + (f"the last {e.tail_layers} layers one group that keeps its residuals (not recomputed), "
-           if e.tail_layers > e.live_layers else "")
+        + (f"the last {e.tail_layers} layers one group that keeps its residuals (not recomputed; "
+           f"{self.device_bytes.get(RESIDUALS, 0) / GIB:.1f} GiB for one sub-batch, each layer's in buffers of its "
+           f"own, freed as its backward runs), " if e.tail_layers > e.live_layers else "")
         + f"activations {'in pinned host memory' if e.activations_on_host else 'on the device'}, "
         f"{e.device_state_groups} group(s) keep master weights + optimizer state on the device"
         + (f" (split over {self.fsdp} fsdp devices)" if self.fsdp > 1 else ""),
@@ -128,55 +136,104 @@ class Plan:
     return "\n".join(rows)
 
 
-def _call_peak(model, call: str, layers: int, sub_batch: int, seq_len: int, outputs: bool = False) -> int:
-  """XLA's scratch (temp bytes; with `outputs`, and the outputs') for one per-sub-batch call over `layers` layers, as
-  this process's backend compiles it: "last_group" (forward, head and backward, residuals kept) or "backward"
-  (recompute + backward). The plan counts the calls' outputs (the gradient accumulators, dx) as parts of its own."""
-
-  def lowered():
-    calls = Engine(model, optax.sgd(0.0), EngineConfig()).calls
-    shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
-    weights = jax.eval_shape(lambda: calls.cast(model.init_layers(jax.random.split(jax.random.key(0), layers))))
-    x = shape(sub_batch, seq_len, model_sizes(model).hidden)
-    grads = jax.eval_shape(calls.zeros, weights)
-    if call == "last_group":
-      outer = jax.eval_shape(lambda: model.init_outer(jax.random.key(0)))
-      args = (weights, outer, x, shape(sub_batch, seq_len, dtype=jnp.int32),
-              shape(sub_batch, seq_len, dtype=jnp.float32), shape(dtype=jnp.float32), grads,
-              jax.eval_shape(calls.zeros, outer))
-    else:
-      args = (weights, x, x, grads)
-    return [getattr(calls, call).lower(*args)]
-
-  return compiled_peak((type(model), model.cfg, call, layers, sub_batch, seq_len), lowered, outputs)
+def _lowered_calls(model, call: str, layers: int, sub_batch: int, seq_len: int) -> list:
+  """The per-sub-batch calls of `call`, lowered for one device at these shapes (nothing is allocated): "last_group"
+  (one layer's forward keeping its residuals, the head + loss and its backward, one layer's backward: the calls the
+  last group of `layers` layers runs) or "backward" (recompute + backward of a group of `layers` layers)."""
+  calls = Engine(model, optax.sgd(0.0), EngineConfig()).calls
+  shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+  weights = jax.eval_shape(lambda: calls.cast(model.init_layers(jax.random.split(jax.random.key(0), layers))))
+  x = shape(sub_batch, seq_len, model_sizes(model).hidden)
+  grads = jax.eval_shape(calls.zeros, weights)
+  if call == "backward":
+    return [calls.backward.lower(weights, x, x, grads)]
+  outer = jax.eval_shape(lambda: model.init_outer(jax.random.key(0)))
+  layer, first = shape(dtype=jnp.int32), shape(dtype=jnp.bool_)
+  _, residuals = jax.eval_shape(calls.tail_forward, weights, layer, x)
+  return [calls.tail_forward.lower(weights, layer, x),
+          calls.head.lower(outer, x, shape(sub_batch, seq_len, dtype=jnp.int32),
+                           shape(sub_batch, seq_len, dtype=jnp.float32), shape(dtype=jnp.float32),
+                           jax.eval_shape(calls.zeros, outer)),
+          calls.tail_backward.lower(weights, layer, first, residuals, x, grads)]
 
 
-def _step_peaks(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> tuple[int, int]:
-  """The compiled scratch of the per-sub-batch calls: the last group's (its own layers, residuals kept) and another
-  group's backward (0 where the last group is the only one)."""
+def _call_peak(model, call: str, layers: int, sub_batch: int, seq_len: int) -> int:
+  """XLA's scratch (temp bytes) of the calls of `call` (_lowered_calls), the most any one of them needs, as this
+  process's backend compiles them. The plan counts the calls' outputs (the gradient accumulators, dx, the last
+  group's residuals) as parts of its own."""
+  return compiled_peak(_peak_key(model, call, layers, sub_batch, seq_len),
+                       lambda: _lowered_calls(model, call, layers, sub_batch, seq_len))
+
+
+def _residual_bytes(model, layers: int, sub_batch: int, seq_len: int) -> int:
+  """Bytes of one layer's residuals as its forward call in the last group returns them (its outputs less its output
+  activation): what the last group keeps per layer for one sub-batch, each residual its own buffer."""
+  key = _peak_key(model, "last_group", layers, sub_batch, seq_len)
+  forward_outputs = compiled_sizes(key, lambda: _lowered_calls(model, "last_group", layers, sub_batch, seq_len))[0][1]
+  return forward_outputs - model_sizes(model).activation_bytes(sub_batch, seq_len)
+
+
+def _peak_key(model, call: str, layers: int, sub_batch: int, seq_len: int) -> tuple:
+  return type(model), model.cfg, call, layers, sub_batch, seq_len
+
+
+class StepPeaks(NamedTuple):
+  """The device bytes of a step's per-sub-batch calls beyond what the plan counts elsewhere: compiled scratch (XLA's
+  temp bytes) and the last group's residuals (outputs of its forward calls, held until its backward calls)."""
+
+  residuals: int  # the last group's, one sub-batch's through all its layers
+  last_group_scratch: int  # the most any of the last group's calls needs
+  backward_scratch: int  # another group's backward (recompute included); 0 where the last group is the only one
+
+  @property
+  def last_group(self) -> int:
+    """What the last group holds beyond the plan's other parts while it runs: residuals and its calls' scratch."""
+    return self.residuals + self.last_group_scratch
+
+  def on_gpu(self) -> "StepPeaks":
+    """These, compiled on a CPU, as a GPU's (gpu_peak_from_cpu)."""
+    last = lambda cpu: gpu_peak_from_cpu(cpu, "last_group")
+    return StepPeaks(last(self.residuals), last(self.last_group_scratch),
+                     gpu_peak_from_cpu(self.backward_scratch, "backward"))
+
+
+def _step_peaks(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> StepPeaks:
+  """The compiled scratch of the per-sub-batch calls and the residuals the last group keeps for one sub-batch."""
   bounds = cfg.bounds(model.cfg.num_layers)
+  last_layers = bounds[-1][1] - bounds[-1][0]
   backward = _call_peak(model, "backward", cfg.live_layers, sub_batch, seq_len) if len(bounds) > 1 else 0
-  return _call_peak(model, "last_group", bounds[-1][1] - bounds[-1][0], sub_batch, seq_len), backward
+  return StepPeaks(last_layers * _residual_bytes(model, last_layers, sub_batch, seq_len),
+                   _call_peak(model, "last_group", last_layers, sub_batch, seq_len), backward)
 
 
 def gpu_peak_from_cpu(cpu_peak: int, call: str = "last_group") -> int:
-  """A GPU's compiled scratch (temp bytes) of a call ("last_group" or "backward") estimated from the CPU compiler's,
-  for plans made on a CPU machine (--target).
+  """A GPU's compiled bytes of a call ("last_group": its residuals and scratch; "backward": its temp bytes) estimated
+  from the CPU compiler's, for plans made on a CPU machine (--target).
 
   XLA on CPU reports a much larger peak for the same call (30.3 GiB where the H200 reports 8.5 for llama13b's last
   group at 8 x 2048 rows, and 27.2 where it reports 4.2 for a backward, temp + output; jax 0.10.2 on CPU): among
   others, its attention materializes the score matrices (a few fp32 copies of rows x heads x seq^2) where cuDNN flash
-  attention keeps none. The correction is the ratio measured for the same call: the GPU's temp bytes (GPU_PEAK_BYTES
+  attention keeps none. The correction is the ratio measured for the same calls: the GPU's temp bytes (GPU_PEAK_BYTES
   or GPU_BACKWARD_PEAK_BYTES less the call's outputs, whose shapes are the same on both) over this process's CPU
-  compile of that call (compiled here, so it follows this jax's CPU compiler). It is exact for that shape and model
-  and an estimate elsewhere: it cannot know how the GPU's peak scales with seq_len (the CPU's attention part grows as
-  seq^2, the GPU's does not, so at shorter sequences it undershoots), with other families (OPT), with several layers
-  per group, or on another GPU or XLA version."""
+  compile of those calls (compiled here, so it follows this jax's CPU compiler). The H200's last-group figure was
+  measured when that group ran as one call, its residuals part of its scratch; its CPU side is the residuals and the
+  largest scratch of the calls it runs as now, one layer's, which a one-layer group held in that one call too. It is
+  exact for that shape and model and an estimate elsewhere: it cannot know how the GPU's peak scales with seq_len
+  (the CPU's attention part grows as seq^2, the GPU's does not, so at shorter sequences it undershoots), with other
+  families (OPT), with several layers per group, or on another GPU or XLA version."""
   reference = build(dataclasses.replace(get_config(GPU_PEAK_MODEL), remat=False))
-  measured = GPU_PEAK_BYTES if call == "last_group" else GPU_BACKWARD_PEAK_BYTES
-  temp = _call_peak(reference, call, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ)
-  outputs = _call_peak(reference, call, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ, outputs=True) - temp
-  return int(cpu_peak * (measured - outputs) / temp)
+  key = _peak_key(reference, call, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ)
+  sizes = compiled_sizes(key, lambda: _lowered_calls(reference, call, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ))
+  if call == "last_group":
+    # The one call's outputs: the head's (the loss, dh, the embeddings' + head's gradient) and the backward's (dx,
+    # the layer's gradient) less dh, which was not one. Its CPU side: the residuals and the calls' most scratch.
+    outputs = sizes[1][1] + sizes[2][1] - model_sizes(reference).activation_bytes(GPU_PEAK_ROWS, GPU_PEAK_SEQ)
+    measured, cpu = GPU_PEAK_BYTES - outputs, _residual_bytes(reference, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ) + max(
+        temp for temp, _ in sizes)
+  else:
+    (cpu, outputs), = sizes
+    measured = GPU_BACKWARD_PEAK_BYTES - outputs
+  return int(cpu_peak * measured / cpu)
 
 
 def optimizer_state_bytes(optimizer: optax.GradientTransformation, params) -> int:
@@ -316,7 +373,7 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
                      parked_grads_dtype=parked_grads_dtype)
   peaks = _step_peaks(model, cfg, sub_batch, seq_len)
   if target is not None and jax.devices()[0].platform == "cpu":
-    peaks = gpu_peak_from_cpu(peaks[0]), gpu_peak_from_cpu(peaks[1], "backward")
+    peaks = peaks.on_gpu()
   # Clipping by the exact global norm holds every group's reduced gradient until the next step's forward updates the
   # group: a group whose state lives on the device parks it there, a host group in pinned host memory (a crossing
   # each way).
@@ -326,9 +383,11 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
   # group's state fits on the device beside it, no state moves, and nothing is in flight for the updates.
   fixed = lambda host_state: {MARGIN: margin_bytes(target), **in_flight_bytes(
       sizes, cfg, sub_batch, seq_len, state_per_layer, opt_bytes(sizes.outer_shapes), fsdp, host_state)}
-  # The layers whose state (and parked gradient) the device keeps, with the compiled calls' scratch beside them: the
-  # parked gradients are never there together with the last group's call (sljax.schedule.step_peak_bytes).
-  needs = lambda layers: layers * state_per_layer + step_peak_bytes(*peaks, layers * parked_per_layer)
+  # The layers whose state (and parked gradient) the device keeps, with the compiled calls' scratch and the last
+  # group's residuals beside them: the parked gradients are never there together with the last group's calls and
+  # residuals (sljax.schedule.step_peak_bytes).
+  step_peak = lambda parked_on_device: step_peak_bytes(peaks.last_group, peaks.backward_scratch, parked_on_device)
+  needs = lambda layers: layers * state_per_layer + step_peak(layers * parked_per_layer)
   fixed_device = fixed(host_state=False)
   if budget.device_bytes - sum(fixed_device.values()) < needs(sizes.num_layers) or (
       kept_groups is not None and kept_groups < groups):
@@ -356,19 +415,24 @@ def _layout(model, sizes, seq_len, batch_size, sub_batch, live, tail, budget, op
                      f"{room()} layer(s)")
   device_layers = resident(device_groups)
   host_layers, host_groups = sizes.num_layers - device_layers, groups - device_groups
-  device_bytes = dict(fixed_device, **{SCRATCH: max(peaks),
+  scratch = max(peaks.last_group_scratch, peaks.backward_scratch)
+  device_bytes = dict(fixed_device, **{SCRATCH: scratch, RESIDUALS: peaks.residuals,
                                        "resident group state": device_layers * state_per_layer,
                                        "activation stash": 0 if on_host else stash})
   host_weights = host_layers * sizes.layer_weight_bytes // fsdp if sizes.separate_weights else 0
   host_bytes = {"group weights": host_weights, "group state": host_layers * state_per_layer,
                 "activation stash": stash if on_host else 0}
+  on_device = device_layers * parked_per_layer
   if parked:
-    on_device = device_bytes["parked grads (clipping)"] = device_layers * parked_per_layer
-    # Less what the last group's call and the parked gradients never hold together (a negative part, or none).
-    apart = step_peak_bytes(*peaks, on_device) - max(peaks) - on_device
-    if apart:
-      device_bytes[NEVER_TOGETHER] = apart
+    device_bytes["parked grads (clipping)"] = on_device
+    # The residuals are gone before the backward parks a gradient (negative parts, or none): live arrays ...
+    if min(peaks.residuals, on_device):
+      device_bytes[RESIDUALS_APART] = -min(peaks.residuals, on_device)
     host_bytes["parked grads (clipping)"] = host_layers * parked_per_layer
+  # ... and the calls' scratch: the last group's beside its residuals, a backward's beside the parked gradients.
+  apart = step_peak(on_device) - max(peaks.residuals, on_device) - scratch
+  if apart:
+    device_bytes[NEVER_TOGETHER] = apart
   layers = [b - a for a, b in bounds]
   host_bytes["replaced, awaiting their free"] = retired_host_bytes(
       state_on_device(groups, device_groups), [n * state_per_layer for n in layers],

@@ -4,7 +4,8 @@ One step, top to bottom (see `Engine.step`):
 
   embed every sub-batch                                          -> h[0][s] on the device
   for each group g but the last: fetch W_g once; stash h[g][s] to host; run every sub-batch -> h[g+1][s]
-  last group:  forward + head + backward per sub-batch in one call, residuals kept            -> dh[G-1][s]
+  last group:  per sub-batch: each layer's forward (a call per layer, keeping its residuals); head + loss and its
+               backward; each layer's backward (a call per layer, freeing its residuals)  -> dh[G-1][s]
   for each group g, last-but-one down to 0: fetch W_g once; fetch the stashed h[g][s] back; recompute + backward
                every sub-batch, accumulating dW_g on the device -> dh[g][s]; update group g (its state streams in
                and out while the next group computes)
@@ -12,7 +13,9 @@ One step, top to bottom (see `Engine.step`):
 
 Only the groups before the last recompute their forward. The last group may be a longer tail (`tail_layers`): where
 the device has room for its residuals (one sub-batch's, through all its layers), fewer layers are recomputed, and a
-tail of every layer recomputes nothing.
+tail of every layer recomputes nothing. Its residuals are the outputs of its per-layer forward calls, each layer's
+its own buffers (`Residuals`), not the scratch of one call: XLA makes a call's scratch one allocation, and llama13b's
+12-layer tail at 8 x 2048 rows asked the H200 for 65.75 GiB of it in one piece, which fragmentation refused at step 2.
 
 With clipping (grad_clip_norm > 0) no group can be updated before the global norm is known, after the whole
 backward: each group's gradient is parked instead (on the device or, for a host group, in pinned host memory) and
@@ -68,7 +71,7 @@ class EngineConfig:
   int8_exchange: bool = False  # stash them as int8 with one scale per row: half the bytes of bf16, not exact
   device_state_groups: int = 0  # groups whose master weights + optimizer state stay on device (see state_on_device)
   # > 0: the last group is the last tail_layers layers (the others form groups of live_layers). The last group runs
-  # forward, head and backward in one call per sub-batch with its residuals kept, so its layers are not recomputed:
+  # forward, head and backward for one sub-batch at a time with its residuals kept, so its layers are not recomputed:
   # a tail of every layer is a step with no recompute at all. 0: the last group is the last of the live_layers groups.
   tail_layers: int = 0
   # With clipping: the dtype each group's gradient waits in for the global norm, until the next step's forward
@@ -152,10 +155,12 @@ def in_flight_bytes(sizes, cfg: "EngineConfig", sub_batch_rows: int, seq_len: in
 
 
 def step_peak_bytes(last_group_peak: int, backward_peak: int, parked_on_device: int) -> int:
-  """The most device bytes that the compiled calls' scratch and the gradients parked on the device (clipping) take
-  together over `Engine.step`: the last group's call runs after the forward has applied every parked update and
-  before the backward parks the new ones, so beside none of them; each other group's backward (recompute included)
-  runs beside up to all of them. peaks: XLA's temp + output bytes of one sub-batch call (0: no such call)."""
+  """The most device bytes that the compiled calls' scratch, the last group's residuals and the gradients parked on
+  the device (clipping) take together over `Engine.step`: the last group's calls run after the forward has applied
+  every parked update and before the backward parks the new ones, so beside none of them; each other group's backward
+  (recompute included) runs beside up to all of them, its residuals gone. last_group_peak: one sub-batch's residuals
+  through the last group and the most scratch of its calls; backward_peak: XLA's temp bytes of one group's backward
+  call (0: no such call)."""
   return max(last_group_peak, backward_peak + parked_on_device)
 
 
@@ -270,6 +275,67 @@ def check_training_batch(batch, cfg) -> int:
   return shape[0]
 
 
+@jax.tree_util.register_pytree_node_class
+class Residuals:
+  """What a layer's backward needs from its forward (a `jax.vjp`'s residuals) as outputs of the forward's call, each
+  its own device buffer with a slot per device (a leading axis laid out `PER_DEVICE`), less the layer's weights (any
+  residual that is a leaf of the call's weight trees): the backward takes those again rather than the forward
+  returning copies. `layout` (static): the vjp's tree structure and, per residual, which kept array (>= 0) or weight
+  leaf (-1 - j, counting the trees' leaves in order) it is."""
+
+  def __init__(self, kept: list, layout: tuple):
+    self.kept, self.layout = kept, layout
+
+  @classmethod
+  def of(cls, vjp, *weights) -> "Residuals":
+    """The residuals of `vjp` (a `jax.vjp` function traced on `weights`, trees of one layer's, inside
+    `Placement.local`)."""
+    leaves, structure = jax.tree.flatten(vjp)
+    weight_leaf = {id(w): j for j, w in enumerate(jax.tree.leaves(weights))}
+    kept, sources = [], []
+    for leaf in leaves:
+      if id(leaf) in weight_leaf:
+        sources.append(-1 - weight_leaf[id(leaf)])
+      else:
+        sources.append(len(kept))
+        kept.append(leaf[None])
+    return cls(kept, (structure, tuple(sources)))
+
+  def vjp(self, *weights):
+    """The vjp function again, its weights' residuals taken from `weights` (the same layer's, as `of` took them)."""
+    structure, sources = self.layout
+    weight_leaves = jax.tree.leaves(weights)
+    return structure.unflatten([self.kept[i][0] if i >= 0 else weight_leaves[-1 - i] for i in sources])
+
+  def tree_flatten(self):
+    return tuple(self.kept), self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, kept):
+    return cls(list(kept), layout)
+
+
+def _one_layer(stacked, layer):
+  """Layer `layer` (traced) of stacked layer params, stacked as a group of one."""
+  return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1), stacked)
+
+
+def _accumulate_layer(acc, grads, layer, first, layers: int):
+  """`accumulate` for one layer of a stacked group's accumulator: its slot at `layer` becomes grads (first, a first
+  sub-batch: as accumulate(None, ...) makes it) or gains them, in place; acc None: the accumulator is made here."""
+
+  def add(slot, grad):
+    grad = grad.astype(jnp.float32)[None]
+    if slot is None:
+      slot = jnp.zeros((1, layers, *grad.shape[2:]), jnp.float32)
+    old = jax.lax.dynamic_slice_in_dim(slot, layer, 1, axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(slot, jnp.where(first, grad, old + grad), layer, axis=1)
+
+  if acc is None:
+    return jax.tree.map(lambda g: add(None, g), grads)
+  return jax.tree.map(add, acc, grads)
+
+
 def _clip(grads, norm, max_norm):
   """optax.clip_by_global_norm's arithmetic, with the norm computed over all groups beforehand."""
   return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), grads)
@@ -323,8 +389,16 @@ class Engine:
     local, whole, rows = self.place.local, REPLICATED, PER_DEVICE
     self._embed = local(lambda outer, tokens: model.embed(outer, tokens), (whole, rows), rows)
     self._forward = local(model.layers, (whole, rows), rows)  # its input is still being stashed: not donated
-    self._last_group = local(self._last_group_fn, (whole, whole, rows, rows, rows, whole, rows, rows), rows,
-                             donate=(2, 6, 7))
+    # The last group, one layer a call: (weights, layer, x) -> (y, the layer's residuals); (outer, h, targets,
+    # loss_weights, inv_total, outer_grads) -> (loss, dh, outer_grads); (weights, layer, first, residuals, dy, grads)
+    # -> (dx, grads). Each donates the activation it replaces; the residuals are freed as their backward runs.
+    self._tail_forward = local(self._tail_forward_fn, (whole, whole, rows), rows, donate=(2,))
+    self._head = local(self._head_fn, (whole, rows, rows, rows, whole, rows), rows, donate=(1, 5))
+    self._tail_backward = local(self._tail_backward_fn, (whole, whole, whole, rows, rows, rows), rows, donate=(4, 5))
+    # The calls' layer indices and first-sub-batch flags, on the device once: arguments, so one compile serves all.
+    start, stop = self.groups[-1]
+    self._layer_indices = self.place.to_device([np.int32(i) for i in range(stop - start)])
+    self._first = self.place.to_device([np.bool_(False), np.bool_(True)])
     self._backward = local(self._backward_fn, (whole, rows, rows, rows), rows, donate=(1, 3))
     self._embed_backward = local(self._embed_backward_fn, (whole, rows, rows, rows), rows, donate=(3,))
     self._last_group_loss = local(self._last_group_loss_fn, (whole, whole, rows, rows, rows, whole), rows)
@@ -351,14 +425,34 @@ class Engine:
 
   # ---- jitted pieces -------------------------------------------------------------------------------------------
 
-  def _last_group_fn(self, weights, outer, x, targets, loss_weights, inv_total, grads, outer_grads):
-    def loss_fn(weights, outer, x):
-      h = self.model.layers(weights, x)
+  def _tail_forward_fn(self, weights, layer, x):
+    one = _one_layer(weights, layer)
+    y, vjp = jax.vjp(self.model.layers, one, x)
+    return y, Residuals.of(vjp, one)
+
+  def _head_fn(self, outer, h, targets, loss_weights, inv_total, outer_grads):
+    def loss_fn(outer, h):
       return self.model.head_loss(outer, h, targets, loss_weights) * inv_total
 
-    loss, (d_weights, d_outer, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(weights, outer, x)
-    # loss: this device's rows' part
-    return loss[None], dx, accumulate(grads, d_weights), accumulate(outer_grads, d_outer)
+    loss, (d_outer, dh) = jax.value_and_grad(loss_fn, argnums=(0, 1))(outer, h)
+    return loss[None], dh, accumulate(outer_grads, d_outer)  # loss: this device's rows' part
+
+  def _tail_backward_fn(self, weights, layer, first, residuals, dy, grads):
+    d_weights, dx = residuals.vjp(_one_layer(weights, layer))(dy)
+    return dx, _accumulate_layer(grads, d_weights, layer, first, jax.tree.leaves(weights)[0].shape[0])
+
+  def _last_group(self, weights, outer, x, targets, loss_weights, inv_total, grads, outer_grads):
+    """One sub-batch through the last group, the head and back (see Calls.last_group): one call per layer forward,
+    keeping each layer's residuals in buffers of its own, the head's call, one call per layer backward."""
+    first = self._first[grads is None]
+    kept = []
+    for layer in self._layer_indices:
+      x, residuals = self._tail_forward(weights, layer, x)
+      kept.append(residuals)
+    loss, dy, outer_grads = self._head(outer, x, targets, loss_weights, inv_total, outer_grads)
+    for layer in reversed(self._layer_indices):
+      dy, grads = self._tail_backward(weights, layer, first, kept.pop(), dy, grads)  # frees that layer's residuals
+    return loss, dy, grads, outer_grads
 
   def _last_group_loss_fn(self, weights, outer, x, targets, loss_weights, inv_total):
     h = self.model.layers(weights, x)
@@ -537,7 +631,8 @@ class Engine:
       boundaries.append([self._stash(x) for x in level])
       level = [self._forward(w, x) for x in level]
 
-    # The last group: forward, head + loss and backward in one call per sub-batch; nothing to stash.
+    # The last group: forward, head + loss and backward of one sub-batch at a time, its residuals kept between its
+    # layers' calls (one sub-batch's at once); nothing to stash.
     clipping, parked_grads = self.cfg.grad_clip_norm > 0, [None] * len(groups)
     w = forward_weights(last)
     grads = outer_grads = None  # the first sub-batch's call makes the accumulators (see _add)
@@ -732,7 +827,8 @@ class Engine:
     and for sizing them (compiled memory analysis)."""
     return Calls(embed=self._embed, forward=self._forward, last_group=self._last_group, backward=self._backward,
                  embed_backward=self._embed_backward, zeros=self._zeros, cast=self.cast_layers,
-                 fetch_weights=self._fetch_weights, update=self._update, apply=self._apply)
+                 fetch_weights=self._fetch_weights, update=self._update, apply=self._apply,
+                 tail_forward=self._tail_forward, head=self._head, tail_backward=self._tail_backward)
 
 
 class Calls(NamedTuple):
@@ -740,8 +836,10 @@ class Calls(NamedTuple):
 
   embed: Callable  # (outer, tokens) -> x
   forward: Callable  # (weights, x) -> the group's output
-  last_group: Callable  # (weights, outer, x, targets, loss_weights, inv_total, grads, outer_grads)
-  #                        -> (loss, dx, grads, outer_grads); donates x and both accumulators
+  # (weights, outer, x, targets, loss_weights, inv_total, grads, outer_grads) -> (loss, dx, grads, outer_grads):
+  # the last group's forward, head + loss and backward for one sub-batch, residuals kept (not recomputed), as the
+  # calls tail_forward (each layer), head, tail_backward (each layer); donates x and both accumulators
+  last_group: Callable
   backward: Callable  # (weights, x, dy, grads) -> (dx, grads): recomputes the group's forward; donates x, grads
   embed_backward: Callable  # (outer, tokens, dx, outer_grads) -> outer_grads; donates outer_grads
   # The accumulators (grads, outer_grads) may be None, for a first sub-batch: the calls then make them.
@@ -750,4 +848,9 @@ class Calls(NamedTuple):
   fetch_weights: Callable  # group state -> its weights in the dtypes they run in, whole on every device
   update: Callable  # (master, opt_state, grads, norm, ok) -> (master, opt_state); donates master and opt_state
   apply: Callable  # (g, (master, opt_state) on the device, reduced grads, norm, ok) -> group g's new state
+  # The last group's calls, for sizing them. layer, first: int32 and bool scalars on the device (layer counts within
+  # the group; first: the sub-batch is the step's first, its gradient slot is set instead of added to).
+  tail_forward: Callable  # (weights, layer, x) -> (y, Residuals); donates x
+  head: Callable  # (outer, h, targets, loss_weights, inv_total, outer_grads) -> (loss, dh, outer_grads); donates h, outer_grads
+  tail_backward: Callable  # (weights, layer, first, residuals, dy, grads) -> (dx, grads); donates dy, grads
 

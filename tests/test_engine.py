@@ -365,7 +365,7 @@ def test_a_clipped_step_holds_one_steps_parked_gradients_not_two():
       return out
     return call
 
-  for name in ("_forward", "_last_group", "_backward", "_embed_backward", "_update"):
+  for name in ("_forward", "_tail_forward", "_head", "_tail_backward", "_backward", "_embed_backward", "_update"):
     setattr(engine, name, recorded(getattr(engine, name)))
   state, batch = engine.init(jax.random.key(0)), make_batch(np.random.default_rng(0), 4, 8)
   for _ in range(3):

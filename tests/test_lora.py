@@ -602,8 +602,11 @@ def test_flops_per_token_are_xlas_count_of_the_steps_compiled_calls():
   forward = per_token(calls.forward.lower(base, stack, start, x))
   grads = jax.eval_shape(calls.zeros, stack)  # the accumulators: a slot per device (one here)
   backward = per_token(calls.backward.lower(base, stack, start, x, x, grads))  # recompute + backward
-  last = per_token(calls.last_group.lower(base, stack, start, outer, x, array(1, seq, dtype=jnp.int32), array(1, seq),
-                                          array(), grads))  # forward, head, backward: nothing recomputed
+  # The last group of one layer: its forward keeping its residuals, the head and its backward, its backward.
+  _, residuals = jax.eval_shape(calls.tail_forward, base, stack, start, start, x)
+  last = (per_token(calls.tail_forward.lower(base, stack, start, start, x))
+          + per_token(calls.head.lower(outer, x, array(1, seq, dtype=jnp.int32), array(1, seq), array()))
+          + per_token(calls.tail_backward.lower(base, stack, start, start, residuals, x, grads)))
   # The backward alone, from the forward's residuals: the backward call without its recompute.
   pullback = jax.eval_shape(lambda base, adapters, x: jax.vjp(
       lambda adapters, x: model.layers(join_adapters(base, adapters), x), adapters, x)[1], base, adapters, x)
@@ -664,7 +667,7 @@ def test_live_bytes_after_every_dispatch_stay_within_the_plan(layers_short):
       return out
     return call
 
-  for name in ("_embed", "_forward", "_last_group", "_backward", "_update", "_zeros"):
+  for name in ("_embed", "_forward", "_tail_forward", "_head", "_tail_backward", "_backward", "_update", "_zeros"):
     setattr(engine, name, recorded(getattr(engine, name)))
   object.__setattr__(engine.place, "_put", recorded(engine.place._put))  # every transfer
   engine.init_base(jax.random.key(0))

@@ -151,7 +151,7 @@ def test_each_group_is_gathered_once_and_reduced_once_per_step_with_the_document
   engine = Engine(model, optax.adamw(1e-3), cfg, placement(d, f))
   state = engine.from_params(params)
   compiled = {}
-  for name in ("_embed", "_forward", "_last_group", "_backward", "_embed_backward"):
+  for name in ("_embed", "_forward", "_tail_forward", "_head", "_tail_backward", "_backward", "_embed_backward"):
     _record_first_call(engine, name, compiled)
   state, _ = engine.step(state, batch)  # the second step is the steady one: it applies the parked updates
   before = dict(engine.place.moved)

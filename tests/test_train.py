@@ -112,7 +112,10 @@ def test_plan_for_a_target_gpu_made_on_cpu_is_the_gpus_own(capsys):
 def test_the_readme_commands_plan_for_a_target_gpu_made_on_cpu_is_the_gpus_own(capsys):
   """With clipping, the backward's compiled peak counts too (it runs beside the parked gradients): each call's peak
   is corrected by its own GPU/CPU ratio. With the last group's ratio for both, this plan kept 26 groups' state on
-  the device where the H200's own keeps 27 (the big_clip row of benchmarks/results/train_throughput_h200.json)."""
+  the device where the H200's own keeps 27 (the big_clip row of benchmarks/results/train_throughput_h200.json).
+  The H200's plan was printed when the last group ran as one call, its residuals in its scratch: the parts of the
+  last group's calls (scratch, residuals and what they and the parked gradients never hold together) are compared
+  by their sum, to the 0.1 GiB printed; every other part as printed."""
   assert run_train("--model=llama13b", "--batch_size=32", "--max_tokens=100000", "--plan", "--target=h200") == {}
   out = capsys.readouterr().out
   # The H200's own plan of the README command, as it printed it (benchmarks.plan_vs_peak).
@@ -121,7 +124,15 @@ def test_the_readme_commands_plan_for_a_target_gpu_made_on_cpu_is_the_gpus_own(c
   lines = out.splitlines()
   placement = [line for line in lines if line.startswith("sub-batches")]
   device_parts = [line.split(" GiB (")[1].rstrip(")") for line in lines if line.startswith("device:")]
-  assert "27 group(s)" in placement[0] and device_parts == [gpu["device"]["parts"]], out
+  calls = ("compiled calls' scratch", "last group's residuals", "never together", "never beside")
+
+  def split(parts: str) -> tuple[list[str], float]:  # (the other parts as printed, the calls' parts' sum)
+    named = re.findall(r"(.+?) (-?[\d.]+)(?:, |$)", parts)
+    return ([f"{name} {value}" for name, value in named if not any(c in name for c in calls)],
+            sum(float(value) for name, value in named if any(c in name for c in calls)))
+
+  (here, here_calls), (there, there_calls) = split(device_parts[0]), split(gpu["device"]["parts"])
+  assert "27 group(s)" in placement[0] and here == there and abs(here_calls - there_calls) <= 0.15, out
 
 
 @pytest.mark.slow

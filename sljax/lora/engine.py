@@ -3,8 +3,9 @@
   embed every sub-batch                           (the frozen embeddings and head stay on the device)
   for each group g but the last: base W_g on the device (resident, or fetched from pinned host one group ahead);
       stash h[g][s]; every sub-batch through W_g + its adapters -> h[g+1][s]
-  last group: forward + head + backward per sub-batch, residuals kept -> dh, the group's adapter gradient (a longer
-      resident tail, `tail_layers`, keeps more layers' residuals: they are not recomputed)
+  last group: per sub-batch, each layer's forward (a call per layer, keeping its residuals in buffers of their own),
+      head + loss and its backward, each layer's backward (freeing its residuals) -> dh, the group's adapter
+      gradient (a longer resident tail, `tail_layers`, keeps more layers' residuals: they are not recomputed)
   for each group g, last-but-one down to 0: W_g again (a streamed group crosses PCIe a second time); the stashed
       inputs back; recompute + backward of every sub-batch: input gradients and adapter gradients, none for the base
   one optax update of every adapter at once, on the device
@@ -51,7 +52,7 @@ from sljax.memory import InFlight, Placement, prefetch
 from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 from sljax.metrics import StepFlops, step_flops
 from sljax.quant import QuantConfig, quantize_layers
-from sljax.schedule import check_training_batch
+from sljax.schedule import Residuals, check_training_batch
 from sljax.sizes import model_sizes
 
 
@@ -162,8 +163,15 @@ class LoraEngine:
     local, whole, rows = self.place.local, REPLICATED, PER_DEVICE
     self._embed = local(model.embed, (whole, rows), rows)
     self._forward = local(self._forward_fn, (whole, whole, whole, rows), rows)
-    self._last_group = local(self._last_group_fn, (whole, whole, whole, whole, rows, rows, rows, whole, rows), rows,
-                             donate=(4, 8))
+    # The last group, one layer a call (as sljax.schedule's engine runs it: no call's scratch grows with the tail):
+    # (base, stack, start, layer, x) -> (y, the layer's residuals); (outer, h, targets, weights, inv_total) -> (loss,
+    # dh); (base, stack, start, layer, residuals, dy, grads) -> (dx, grads). layer: within the group.
+    self._tail_forward = local(self._tail_forward_fn, (whole, whole, whole, whole, rows), rows, donate=(4,))
+    self._head = local(self._head_fn, (whole, rows, rows, rows, whole), rows, donate=(1,))
+    self._tail_backward = local(self._tail_backward_fn, (whole, whole, whole, whole, rows, rows, rows), rows,
+                                donate=(5, 6))
+    start, stop = self.groups[-1]
+    self._layer_indices = self.place.to_device([np.int32(i) for i in range(stop - start)])
     self._backward = local(self._backward_fn, (whole, whole, whole, rows, rows, rows), rows, donate=(3, 5))
     self._last_group_loss = local(self._last_group_loss_fn, (whole, whole, whole, whole, rows, rows, rows, whole),
                                   rows)
@@ -186,13 +194,32 @@ class LoraEngine:
   def _forward_fn(self, base, stack, start, x):
     return self._layers(base, group_layers(stack, start, _layer_count(base)), x)
 
-  def _last_group_fn(self, base, stack, start, outer, x, targets, weights, inv_total, grads):
-    def loss_fn(adapters, x):
-      return self.model.head_loss(outer, self._layers(base, adapters, x), targets, weights) * inv_total
+  def _tail_forward_fn(self, base, stack, start, layer, x):
+    base, adapters = group_layers(base, layer, 1), group_layers(stack, start + layer, 1)
+    y, vjp = jax.vjp(lambda adapters, x: self._layers(base, adapters, x), adapters, x)
+    return y, Residuals.of(vjp, base, adapters)
 
-    adapters = group_layers(stack, start, _layer_count(base))
-    loss, (d_adapters, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1))(adapters, x)
-    return loss[None], dx, add_group(grads, d_adapters, start)  # loss: this device's rows' part
+  def _head_fn(self, outer, h, targets, weights, inv_total):
+    loss_fn = lambda h: self.model.head_loss(outer, h, targets, weights) * inv_total
+    loss, dh = jax.value_and_grad(loss_fn)(h)
+    return loss[None], dh  # loss: this device's rows' part
+
+  def _tail_backward_fn(self, base, stack, start, layer, residuals, dy, grads):
+    base, adapters = group_layers(base, layer, 1), group_layers(stack, start + layer, 1)
+    d_adapters, dx = residuals.vjp(base, adapters)(dy)
+    return dx, add_group(grads, d_adapters, start + layer)
+
+  def _last_group(self, base, stack, start, outer, x, targets, weights, inv_total, grads):
+    """One sub-batch through the last group, the head and back (LoraCalls.last_group): a call per layer forward,
+    keeping each layer's residuals, the head's call, a call per layer backward, freeing them."""
+    kept = []
+    for layer in self._layer_indices:
+      x, residuals = self._tail_forward(base, stack, start, layer, x)
+      kept.append(residuals)
+    loss, dy = self._head(outer, x, targets, weights, inv_total)
+    for layer in reversed(self._layer_indices):
+      dy, grads = self._tail_backward(base, stack, start, layer, kept.pop(), dy, grads)
+    return loss, dy, grads
 
   def _last_group_loss_fn(self, base, stack, start, outer, x, targets, weights, inv_total):
     h = self._layers(base, group_layers(stack, start, _layer_count(base)), x)
@@ -216,7 +243,8 @@ class LoraEngine:
     """The step's jitted calls: the plan sizes them (compiled memory analysis, sljax.lora.plan); their compiled FLOPs
     are what lora_flops_per_token counts (tests/test_lora.py)."""
     return LoraCalls(forward=self._forward, last_group=self._last_group, backward=self._backward, zeros=self._zeros,
-                     hold=self._hold)
+                     hold=self._hold, tail_forward=self._tail_forward, head=self._head,
+                     tail_backward=self._tail_backward)
 
   # ---- the frozen base -----------------------------------------------------------------------------------------
 
@@ -380,8 +408,12 @@ class LoraCalls(NamedTuple):
 
   forward: Callable  # (base, stack, start, x) -> y: a group's forward (every group but the last)
   # (base, stack, start, outer, x, targets, weights, 1 / total weight, grads) -> (this device's part of the loss, one
-  # slot per device; dx; grads)
+  # slot per device; dx; grads): the calls tail_forward (each layer), head, tail_backward (each layer)
   last_group: Callable
   backward: Callable  # (base, stack, start, x, dy, grads) -> (dx, grads): recompute + backward of a group
   zeros: Callable  # the stack -> its fp32 gradient accumulators, one slot per device (Placement.zero_slots)
   hold: Callable  # stacked base layers -> the same as the engine holds them (held_base)
+  # The last group's calls; layer: int32, within the group (its adapters are the stack's at start + layer).
+  tail_forward: Callable  # (base, stack, start, layer, x) -> (y, sljax.schedule.Residuals); donates x
+  head: Callable  # (outer, h, targets, weights, 1 / total weight) -> (the loss's part, dh); donates h
+  tail_backward: Callable  # (base, stack, start, layer, residuals, dy, grads) -> (dx, grads); donates dy, grads

@@ -7,13 +7,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sljax.footprint import (MARGIN, SCRATCH, SUB_BATCH_TOKENS, Footprint, Pass, compiled_peak, compute_bound,
+from sljax.footprint import (MARGIN, SCRATCH, SUB_BATCH_TOKENS, Footprint, Pass, compiled_sizes, compute_bound,
                              machine_for, margin_bytes, pass_copy_seconds)
 from sljax.lora.engine import LoraEngine, LoraEngineConfig, held_base, lora_groups
 from sljax.lora.model import LoraModel, split_adapters
 from sljax.machines import GIB, Budget, Machine
 from sljax.memory import tree_bytes
-from sljax.plan import gpu_peak_from_cpu
+from sljax.plan import RESIDUALS, gpu_peak_from_cpu
 from sljax.sizes import model_sizes
 
 # Streamed groups' weights on the device at once, as the step paces itself (one group ahead, sljax.memory.InFlight):
@@ -70,8 +70,9 @@ class LoraPlan(NamedTuple):
            else f"{e.resident_layers} of {self.layers} base layers resident (the rest stream)")
         + f", {e.live_layers} per group, activations {stash}"
         + (f"; the base's kernels as int{self.base_bits} codes with scales" if self.base_bits else "")
-        + (f"; the last {e.tail_layers} layers one group that keeps its residuals (not recomputed)"
-           if e.tail_layers else ""),
+        + (f"; the last {e.tail_layers} layers one group that keeps its residuals (not recomputed; "
+           f"{self.device_bytes.get(RESIDUALS, 0) / GIB:.1f} GiB for one sub-batch, each layer's in buffers of its "
+           f"own, freed as its backward runs)" if e.tail_layers else ""),
         *("  " + line for line in self.footprint.describe(self.budget)),
         "  " + "; ".join(f"{name}: compute {phase.compute_seconds:.2f} s, copies "
                          f"{pass_copy_seconds(self.machine, phase):.2f} s" for name, phase in self.phases.items())
@@ -85,31 +86,39 @@ def held_layer_bytes(model: LoraModel) -> int:
   return tree_bytes(jax.eval_shape(lambda stacked: held_base(model, stacked), shapes))
 
 
-def _call_peak(model: LoraModel, live_layers: int, last_layers: int, rows: int, seq_len: int) -> int:
-  """The larger of the last group's and a backward call's compiled scratch (temp bytes: the plan counts their
-  outputs, dx and the adapters' gradients, as parts of its own) for one sub-batch of rows, as this process's backend
-  compiles them."""
+def _lowered_calls(model: LoraModel, live_layers: int, last_layers: int, rows: int, seq_len: int) -> list:
+  """The step's per-sub-batch calls, lowered for one device at these shapes (nothing is allocated): the last group's
+  (a layer's forward keeping its residuals, the head + loss and its backward, a layer's backward) and, where there
+  are other groups, a backward (recompute + backward)."""
+  step = LoraEngine(model, optax.sgd(0.0), LoraEngineConfig(live_layers=live_layers)).calls  # one device's
+  shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+  x = shape(rows, seq_len, model_sizes(model.base).hidden)
 
-  def lowered():
-    step = LoraEngine(model, optax.sgd(0.0), LoraEngineConfig(live_layers=live_layers)).calls  # one device's
-    shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
-    x = shape(rows, seq_len, model_sizes(model.base).hidden)
+  def base_layers(layers):
+    return jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), layers)))
 
-    def base_layers(layers):
-      return jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), layers)))
+  # Every call takes the whole adapter stack and its gradient accumulators (the group's layers are sliced inside).
+  stack = jax.eval_shape(model.init_adapters, jax.random.key(0), base_layers(model.cfg.num_layers))
+  grads, start = jax.eval_shape(step.zeros, stack), shape(dtype=jnp.int32)
+  held = lambda layers: jax.eval_shape(step.hold, base_layers(layers))
+  outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
+  _, residuals = jax.eval_shape(step.tail_forward, held(last_layers), stack, start, start, x)
+  calls = [step.tail_forward.lower(held(last_layers), stack, start, start, x),
+           step.head.lower(outer, x, shape(rows, seq_len, dtype=jnp.int32), shape(rows, seq_len, dtype=jnp.float32),
+                           shape(dtype=jnp.float32)),
+           step.tail_backward.lower(held(last_layers), stack, start, start, residuals, x, grads)]
+  if model.cfg.num_layers > last_layers:
+    calls.append(step.backward.lower(held(live_layers), stack, start, x, x, grads))
+  return calls
 
-    # Every call takes the whole adapter stack and its gradient accumulators (the group's layers are sliced inside).
-    stack = jax.eval_shape(model.init_adapters, jax.random.key(0), base_layers(model.cfg.num_layers))
-    grads, start = jax.eval_shape(step.zeros, stack), shape(dtype=jnp.int32)
-    held = lambda layers: jax.eval_shape(step.hold, base_layers(layers))
-    outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
-    calls = [step.last_group.lower(held(last_layers), stack, start, outer, x, shape(rows, seq_len, dtype=jnp.int32),
-                                   shape(rows, seq_len, dtype=jnp.float32), shape(dtype=jnp.float32), grads)]
-    if model.cfg.num_layers > last_layers:
-      calls.append(step.backward.lower(held(live_layers), stack, start, x, x, grads))
-    return calls
 
-  return compiled_peak((type(model.base), model.cfg, model.lora, live_layers, last_layers, rows, seq_len), lowered)
+def _call_peaks(model: LoraModel, live_layers: int, last_layers: int, rows: int, seq_len: int) -> tuple[int, int]:
+  """(The most compiled scratch any of the step's calls needs for one sub-batch of rows, temp bytes; one layer's
+  residuals in the last group, the outputs of its forward call less its output activation), as this process's
+  backend compiles them. The plan counts the calls' other outputs (dx, the adapters' gradients) as parts of its own."""
+  sizes = compiled_sizes((type(model.base), model.cfg, model.lora, live_layers, last_layers, rows, seq_len),
+                         lambda: _lowered_calls(model, live_layers, last_layers, rows, seq_len))
+  return max(temp for temp, _ in sizes), sizes[0][1] - model_sizes(model.base).activation_bytes(rows, seq_len)
 
 
 # The fewest tokens a sub-batch call of a tail plan takes (plan_lora): a llama70b layer's matmuls at 2048 tokens are
@@ -134,8 +143,8 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
   sizes = model_sizes(model.base)
   machine = machine_for(target)
   on_cpu = jax.devices()[0].platform == "cpu"
-  peak_of = lambda rows, last_layers: (gpu_peak_from_cpu if target and on_cpu else int)(
-      _call_peak(model, live_layers, last_layers, rows, seq_len))
+  peaks_of = lambda rows, last_layers: [(gpu_peak_from_cpu if target and on_cpu else int)(peak)
+                                        for peak in _call_peaks(model, live_layers, last_layers, rows, seq_len)]
   optimizer = optimizer or optax.adamw(1e-4)
   layers, layer = sizes.num_layers, held_layer_bytes(model)
   adapters = split_adapters(jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), layers))))[1]
@@ -158,7 +167,7 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
     sub = rows // n
     act = sizes.activation_bytes(sub, seq_len)
     stash = (len(groups) - 1) * n * act  # every group's input but the last's
-    peak = peak_of(sub, last_layers)
+    scratch, residuals = peaks_of(sub, last_layers)
     # One pass over the base: 2 FLOPs per parameter and token at the machine's layer efficiency. The backward
     # recomputes the layers before the last group and runs every layer's input gradient; each pass copies every
     # streamed layer in, the stash crosses once each way.
@@ -166,8 +175,8 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
     backward = forward * (2 * layers - last_layers) / layers
     plans = []
     for on_host in (False, True):
-      device = dict(fixed, **{"activations in flight": 3 * n * act, SCRATCH: peak,
-                              "stashed activations": 0 if on_host else stash})
+      device = dict(fixed, **{"activations in flight": 3 * n * act, SCRATCH: scratch,
+                              RESIDUALS: last_layers * residuals, "stashed activations": 0 if on_host else stash})
       left = budget.device_bytes - sum(device.values())
       in_flight = STREAMED_IN_FLIGHT * live_layers * layer
       resident = layers if left >= layers * layer else int((left - in_flight) // layer)
