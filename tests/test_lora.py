@@ -23,7 +23,7 @@ from sljax.lora.model import LoraConfig, LoraModel, join_adapters, merge, split_
 from sljax.footprint import GPU_MARGIN_BYTES, MARGIN, SCRATCH
 from sljax.lora.plan import STREAMED_IN_FLIGHT, held_layer_bytes, plan_lora
 from sljax.machines import GIB, H200, Budget
-from sljax.memory import HOST, InFlight, Placement
+from sljax.memory import HOST, InFlight, Placement, tree_bytes
 from sljax.mesh import make_mesh
 from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
 from sljax.sizes import model_sizes
@@ -338,6 +338,23 @@ def test_a_plan_with_the_whole_base_resident_keeps_residuals_in_the_longest_tail
   assert "the last {} layers one group that keeps its residuals".format(part.engine.tail_layers) in part.describe()
   with pytest.raises(ValueError, match=f"with a tail of {part.engine.tail_layers + 1} layers"):
     plan_lora(model, 8, budget, batch=4, tail_layers=part.engine.tail_layers + 1)
+
+
+def test_a_tail_layer_on_an_int4_base_keeps_no_more_residuals_than_on_the_bf16_one():
+  """The tail's backward dequantizes the base again: its dequantized kernels are not residuals kept per layer."""
+  from sljax.lora.engine import held_base
+  kept = {}
+  for bits in (0, 4):
+    model = _model("llama", rank=2, num_layers=2, base_bits=bits, dtype="bfloat16")
+    engine = LoraEngine(model, optax.sgd(0.1), LoraEngineConfig(live_layers=1, resident_layers=2, tail_layers=2))
+    shapes = jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), 2)))
+    base = jax.eval_shape(lambda layers: held_base(model, layers), shapes)
+    stack = jax.eval_shape(model.init_adapters, jax.random.key(0), shapes)
+    x = jax.ShapeDtypeStruct((2, 16, model.cfg.hidden_size), jnp.bfloat16)
+    residuals = jax.eval_shape(lambda b, s, x: engine._tail_forward_fn(b, s, jnp.int32(0), jnp.int32(0), x)[1],
+                               base, stack, x)
+    kept[bits] = tree_bytes(residuals.kept)
+  assert kept[4] == kept[0]
 
 
 def test_a_plan_with_the_whole_base_resident_splits_the_batch_where_a_longer_tail_computes_less(monkeypatch):
