@@ -315,7 +315,7 @@ class StateHandler(ocp.CheckpointHandler):
     """(manifest entry, verified numpy array) of each saved array `wanted` accepts, in manifest order, skipping the
     parts that hold none of them. Up to `readers` parts are read (and verified) at once, a reader going on to the next
     part as soon as its own is read, while the caller takes them in order, within RESTORE_BYTES_PER_PART_BYTE x
-    (readers + 1) parts of this handler's size of host memory (below)."""
+    readers parts of this handler's size of host memory (below)."""
     manifest = read_manifest(directory)
     by_part, held = collections.defaultdict(list), collections.Counter()
     for entry in manifest["arrays"]:
@@ -342,9 +342,11 @@ class StateHandler(ocp.CheckpointHandler):
     # memory by its state: RESTORE_BYTES_PER_PART_BYTE x its bytes while it is read (orbax's buffers and the arrays),
     # its bytes once read (the arrays, waiting for or held by the caller). A reader whose part is read before the
     # ones ahead of it takes the next part at once, while the bytes of all parts allow: a slow part holds up the
-    # caller, not the other readers. The budget is RESTORE_BYTES_PER_PART_BYTE x (readers + 1) parts of this handler's
-    # size, and one part is read ahead at least (a checkpoint written with larger parts is read fewer at a time).
-    budget = RESTORE_BYTES_PER_PART_BYTE * (self.readers + 1) * self.part_bytes
+    # caller, not the other readers. The budget is RESTORE_BYTES_PER_PART_BYTE x readers parts of this handler's size
+    # (with readers + 1 parts, 3.6 GiB of cost, the H200 measured 4.4 GiB above the level before the restore:
+    # benchmarks/results/checkpoint_scale_readers_ahead_h200.json), and one part is read ahead at least (a checkpoint
+    # written with larger parts is read fewer at a time).
+    budget = RESTORE_BYTES_PER_PART_BYTE * self.readers * self.part_bytes
     lock, ahead, following = threading.RLock(), collections.deque(), iter(indices)
     state = {"upcoming": next(following, None), "reading": 0, "cost": 0.0, "stopped": False}
     with concurrent.futures.ThreadPoolExecutor(max_workers=self.readers) as pool:
