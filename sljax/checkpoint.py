@@ -342,7 +342,9 @@ class StateHandler(ocp.CheckpointHandler):
     # memory by its state: RESTORE_BYTES_PER_PART_BYTE x its bytes while it is read (orbax's buffers and the arrays),
     # its bytes once read (the arrays, waiting for or held by the caller). A reader whose part is read before the
     # ones ahead of it takes the next part at once, while the bytes of all parts allow: a slow part holds up the
-    # caller, not the other readers. The budget is RESTORE_BYTES_PER_PART_BYTE x readers parts of this handler's size
+    # caller, not the other readers, and no more than 2 x readers parts are ahead (a checkpoint of parts far smaller
+    # than this handler's is not read whole ahead of the caller). The budget is RESTORE_BYTES_PER_PART_BYTE x readers
+    # parts of this handler's size
     # (with readers + 1 parts, 3.6 GiB of cost, the H200 measured 4.4 GiB above the level before the restore:
     # benchmarks/results/checkpoint_scale_readers_ahead_h200.json), and one part is read ahead at least (a checkpoint
     # written with larger parts is read fewer at a time).
@@ -354,7 +356,7 @@ class StateHandler(ocp.CheckpointHandler):
       def read_ahead():
         with lock:
           while not state["stopped"] and state["upcoming"] is not None and (not ahead or (
-              state["reading"] < self.readers
+              state["reading"] < self.readers and len(ahead) < 2 * self.readers
               and state["cost"] + RESTORE_BYTES_PER_PART_BYTE * held[state["upcoming"]] <= budget)):
             size = held[state["upcoming"]]
             state["reading"] += 1

@@ -164,12 +164,14 @@ def test_host_memory_holds_one_shard_and_the_outer_params_not_the_model(tmp_path
 
   one_layer = peak(1.1 * layer_bytes, "sharded")
   assert asked == [1] * WIDE.num_layers
-  assert one_layer < layer_bytes + outer_bytes + 2**20, (one_layer / 2**20, layer_bytes / 2**20)
+  # + 2 MiB: the checkpoint's parts here are 0.8 MiB, and its readers go ahead of the part being cut, about one part
+  # more than when they waited for it (measured 5.85 MiB, 5.12 before; layer 4.0 + outer 0.5); the model is 24 MiB.
+  assert one_layer < layer_bytes + outer_bytes + 2 * 2**20, (one_layer / 2**20, layer_bytes / 2**20)
   whole = peak(10 * layer_bytes, "whole")
   assert whole > WIDE.num_layers * layer_bytes, whole / 2**20
 
   # Read in fp32, written in bf16: the shard is the fp32 layers, each array let go as it is cast.
-  assert peak(1.1 * layer_bytes, "bf16", "param_dtype=bfloat16") < layer_bytes + outer_bytes + 2**20
+  assert peak(1.1 * layer_bytes, "bf16", "param_dtype=bfloat16") < layer_bytes + outer_bytes + 2 * 2**20
   assert asked == [1] * WIDE.num_layers + [WIDE.num_layers] + [1] * WIDE.num_layers
   for name, dtype in (("sharded", np.float32), ("bf16", jnp.bfloat16)):
     written = models.hf.load_hf(str(tmp_path / name), param_dtype="float32")[1]
