@@ -562,7 +562,7 @@ def _last_group_in_one_call(model):
 
 def test_no_call_of_the_last_group_needs_scratch_that_grows_with_its_layers():
   """XLA makes a call's scratch one allocation: llama13b's 12-layer tail, one call per sub-batch, asked the H200 for
-  65.75 GiB in one piece and fragmentation refused it. Each of the last group's calls (a layer's forward, the head,
+  65.75 GiB in one piece, which it did not have at step 2. Each of the last group's calls (a layer's forward, the head,
   a layer's backward) needs the same scratch for a tail of 2 layers as for 6, where the one call's grew by more than
   the residuals; the residuals are outputs instead, each its own buffer, no more in all than that call's scratch."""
   model = tiny_model(6, 32)
