@@ -15,7 +15,8 @@ Only the groups before the last recompute their forward. The last group may be a
 the device has room for its residuals (one sub-batch's, through all its layers), fewer layers are recomputed, and a
 tail of every layer recomputes nothing. Its residuals are the outputs of its per-layer forward calls, each layer's
 its own buffers (`Residuals`), not the scratch of one call: XLA makes a call's scratch one allocation, and llama13b's
-12-layer tail at 8 x 2048 rows asked the H200 for 65.75 GiB of it in one piece, which fragmentation refused at step 2.
+12-layer tail at 8 x 2048 rows asked the H200 for 65.75 GiB of it in one piece, which it did not have at step 2
+(beside 73.6 GiB in use, 14 GiB of it the tail's parked gradient, then held by mistake: see sljax.memory.prefetch).
 
 With clipping (grad_clip_norm > 0) no group can be updated before the global norm is known, after the whole
 backward: each group's gradient is parked instead (on the device or, for a host group, in pinned host memory) and
