@@ -38,7 +38,7 @@ from sljax.schedule import Engine, EngineConfig
 FLAGS = flags.FLAGS
 REPEATS = 5  # timed calls per kernel, after one that compiles it
 SUSTAIN_S = 3.0  # seconds of each kernel back to back (after as many of warm-up) for the sustained times
-SMOKE_SUSTAIN_S = 0.05
+SMOKE_SUSTAIN_S = 0.005  # --smoke: each kernel at least once back to back, the code path only
 
 
 def median_seconds(fn, args, repeats: int) -> tuple[float, list[float]]:
