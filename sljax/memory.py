@@ -222,13 +222,13 @@ def prefetch(items: Iterable, fetch: Callable) -> Iterator:
   13-layer tail, 15 GiB) on the device beside the tail's residuals, from its update to the first backward group."""
   items = iter(items)
   try:
-    upcoming = [fetch(next(items))]
+    ahead = [fetch(next(items))]  # no local variable names what was yielded: gone from here once yielded
   except StopIteration:
     return
   for item in items:
-    current, upcoming = upcoming, [fetch(item)]
-    yield current.pop()  # a value on no frame's variable: gone from here once yielded
-  yield upcoming.pop()
+    ahead.append(fetch(item))
+    yield ahead.pop(0)
+  yield ahead.pop()
 
 
 class InFlight:
