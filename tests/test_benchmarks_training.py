@@ -182,6 +182,13 @@ def test_train_py_run_reads_a_lora_plan():
   result = summarize(["--lora_rank=16"], "\n".join(["note: a", *plan, "recipe of llama70b"]), [13.1], 1.0, 1)
   assert result["plan"] == "\n".join(plan) and result["goals"]["plan_compute_bound"] is True
   assert result["memory_peaks"] is None
+  # Throughput goals by the command's kind: none on a bf16 base; QLoRA's 2,000 tok/s and 55% MFU; the full engine's 45%.
+  assert set(result["goals"]) == {"plan_compute_bound", "no_loss_above_1.05x_first", "last_mean_below_first_mean"}
+  bar = lambda step, tps, mfu: f"loss 1.000 | {tps} tok/s | MFU {mfu}% | HFU 60.0%:  50%|##| {step}/2 [00:01<00:00]\r"
+  log = bar(1, "900", "30.0") + bar(2, "2,100", "54.0")
+  qlora = summarize(["--lora_rank=16", "--base_bits=4"], log, [2.0, 1.0], 1.0, 0)["goals"]
+  assert (qlora["tokens_per_s_steady_ge_2000"], qlora["mfu_steady_ge_0.55"]) == (True, False)
+  assert summarize(["--model=llama13b"], log, [2.0, 1.0], 1.0, 0)["goals"]["mfu_steady_ge_0.45"] is True
   peaks = 'memory peaks: {"device": 3, "device_allocator": 5, "pinned_host": 2}'
   assert summarize([], "\n".join(["note: a", peaks, "done"]), [1.0], 1.0, 0)["memory_peaks"] == {
       "device": 3, "device_allocator": 5, "pinned_host": 2}
