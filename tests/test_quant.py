@@ -11,8 +11,8 @@ import pytest
 
 from models.presets import build, get_config
 from sljax.memory import tree_bytes
-from sljax.quant import CODES, QuantConfig, dequantize_kernel, dequantize_layers, group_rows, quantize_kernel, \
-    quantize_layers
+from sljax.quant import CODES, QuantConfig, _dequantize_halves_pallas, dequantize_kernel, dequantize_layers, \
+    group_rows, pack_halves, quantize_kernel, quantize_layers, unpack_halves
 
 from helpers import REPO
 
@@ -46,6 +46,20 @@ def test_int4_codes_are_a_native_int4_array_of_half_a_byte_each():
   assert packed["codes"].dtype == jnp.int4 and packed["codes"].shape == (1, 256, 64)
   assert tree_bytes(packed["codes"]) == 256 * 64 // 2
   assert int(jnp.max(packed["codes"].astype(jnp.int8))) == CODES[4] == -int(jnp.min(packed["codes"].astype(jnp.int8)))
+
+
+@pytest.mark.parametrize("rows, cols, group_size", [(256, 64, 64), (512, 96, 128), (96, 30, 1000)])
+def test_int4_codes_as_bytes_hold_the_same_bytes_and_dequantize_bit_for_bit(rows, cols, group_size):
+  packed = quantize_kernel(weights((2, rows, cols)), QuantConfig(bits=4, group_size=group_size))
+  halves = pack_halves(packed)
+  assert halves["halves"].dtype == jnp.uint8 and tree_bytes(halves) == tree_bytes(packed)
+  np.testing.assert_array_equal(unpack_halves(halves)["codes"].astype(jnp.int8), packed["codes"].astype(jnp.int8))
+  want = np.asarray(dequantize_kernel(packed, jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(dequantize_kernel(halves, jnp.bfloat16)), want)
+  group = rows // packed["scale"].shape[1]
+  if group % 8 == 0 and cols // 2 % 16 == 0:  # the GPU's kernel, interpreted, in blocks of 8 x 16
+    got = _dequantize_halves_pallas(halves["halves"], halves["scale"], jnp.bfloat16, 8, 16, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_group_is_the_largest_divisor_of_the_contraction_axis_up_to_the_asked_size():
