@@ -77,7 +77,7 @@ def dequantize_halves(node: dict, dtype) -> jax.Array:
   group = rows // scale.shape[1]
   cols = next((c for c in (HALVES_BLOCK[1] >> k for k in range(4)) if half % c == 0), 0)
   if jax.devices()[0].platform != "gpu" or rows % HALVES_BLOCK[0] or group % HALVES_BLOCK[0] or not cols:
-    return dequantize_kernel(unpack_halves(node), dtype)
+    return dequantize_kernel(unpack_halves(node, jnp.int8), dtype)
   return _dequantize_halves_pallas(halves, scale, dtype, HALVES_BLOCK[0], cols)
 
 
@@ -126,11 +126,11 @@ def pack_halves(packed: dict) -> dict:
           "scale": packed["scale"]}
 
 
-def unpack_halves(node: dict) -> dict:
-  """pack_halves' inverse: {"codes": native int4, "scale"}."""
+def unpack_halves(node: dict, dtype=jnp.int4) -> dict:
+  """pack_halves' inverse: {"codes": native int4 (or `dtype`), "scale"}."""
   halves = node["halves"]
   low, high = (halves & 0xF).astype(jnp.int8) - 8, (halves >> 4).astype(jnp.int8) - 8
-  return {"codes": jnp.concatenate([low, high], axis=-1).astype(jnp.int4), "scale": node["scale"]}
+  return {"codes": jnp.concatenate([low, high], axis=-1).astype(dtype), "scale": node["scale"]}
 
 
 def map_packed(fn, stacked: dict) -> dict:
