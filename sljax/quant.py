@@ -89,9 +89,10 @@ def _dequantize_halves_pallas(halves, scale, dtype, block_rows: int, block_cols:
 
   def kernel(codes_ref, scale_ref, out_ref):  # codes [R, C]; scale [1, 2, C]: the rows' group; out [R, 2, C]
     codes = codes_ref[...].astype(jnp.int32)
-    scale_1x2xC = scale_ref[...].astype(jnp.float32)
-    out_ref[:, 0, :] = (((codes & 0xF) - 8).astype(jnp.float32) * scale_1x2xC[:, 0, :]).astype(out_ref.dtype)
-    out_ref[:, 1, :] = (((codes >> 4) - 8).astype(jnp.float32) * scale_1x2xC[:, 1, :]).astype(out_ref.dtype)
+    # Each half's scales loaded by the ref's own indexing: Pallas' Triton lowering has no slice of a loaded value.
+    low, high = scale_ref[:, 0, :].astype(jnp.float32), scale_ref[:, 1, :].astype(jnp.float32)  # [1, C] each
+    out_ref[:, 0, :] = (((codes & 0xF) - 8).astype(jnp.float32) * low).astype(out_ref.dtype)
+    out_ref[:, 1, :] = (((codes >> 4) - 8).astype(jnp.float32) * high).astype(out_ref.dtype)
 
   out = pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((layers, rows, 2, half), dtype),
