@@ -83,6 +83,7 @@ def dequantize_halves(node: dict, dtype) -> jax.Array:
 
 def _dequantize_halves_pallas(halves, scale, dtype, block_rows: int, block_cols: int, interpret: bool = False):
   from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
 
   layers, rows, half = halves.shape
   group = rows // scale.shape[1]
@@ -100,6 +101,7 @@ def _dequantize_halves_pallas(halves, scale, dtype, block_rows: int, block_cols:
       in_specs=[pl.BlockSpec((None, block_rows, block_cols), lambda l, i, j: (l, i, j)),
                 pl.BlockSpec((None, 1, 2, block_cols), lambda l, i, j: (l, i * block_rows // group, 0, j))],
       out_specs=pl.BlockSpec((None, block_rows, 2, block_cols), lambda l, i, j: (l, i, 0, j)),
+      compiler_params=pltriton.CompilerParams(),  # Triton, as a GPU picks by default; also where it is only lowered
       interpret=interpret)(halves, scale.reshape(layers, rows // group, 2, half))
   return out.reshape(layers, rows, 2 * half)
 
