@@ -139,7 +139,8 @@ def train(model, optim_cfg, source, steps: int, eval_batches: list[dict], varian
     losses.append(loss)
   losses = [float(loss) for loss in losses]
   seconds = time.perf_counter() - start
-  held_out = float(np.mean([float(jax.jit(model.loss)(params, batch)) for batch in eval_batches]))
+  eval_loss = jax.jit(model.loss)  # one jitted function for every batch: a new one per batch traced each again
+  held_out = float(np.mean([float(eval_loss(params, batch)) for batch in eval_batches]))
   final = losses[-min(FLAGS.final_steps, steps):]
   return {"train_loss_final": float(np.mean(final)), "train_loss_last_step": losses[-1],
           "train_loss_first": losses[0], "held_out_loss": held_out, "seconds": seconds}

@@ -21,7 +21,7 @@ from sljax.machines import GIB, REFERENCE, Budget, Machine
 from sljax.memory import tree_bytes
 from sljax.schedule import (Engine, EngineConfig, in_flight_bytes, retired_host_bytes,
                             state_on_device, step_peak_bytes)
-from sljax.sizes import model_sizes
+from sljax.sizes import model_sizes, stacked_layer_shapes
 
 MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
 # The most of a step's compute that plan_batch lets the once-a-step work take (the update; Machine.
@@ -142,12 +142,12 @@ def _lowered_calls(model, call: str, layers: int, sub_batch: int, seq_len: int) 
   last group of `layers` layers runs) or "backward" (recompute + backward of a group of `layers` layers)."""
   calls = Engine(model, optax.sgd(0.0), EngineConfig()).calls
   shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
-  weights = jax.eval_shape(lambda: calls.cast(model.init_layers(jax.random.split(jax.random.key(0), layers))))
+  weights = jax.eval_shape(calls.cast, stacked_layer_shapes(model, layers))
   x = shape(sub_batch, seq_len, model_sizes(model).hidden)
   grads = jax.eval_shape(calls.zeros, weights)
   if call == "backward":
     return [calls.backward.lower(weights, x, x, grads)]
-  outer = jax.eval_shape(lambda: model.init_outer(jax.random.key(0)))
+  outer = model_sizes(model).outer_shapes
   layer, first = shape(dtype=jnp.int32), shape(dtype=jnp.bool_)
   _, residuals = jax.eval_shape(calls.tail_forward, weights, layer, x)
   return [calls.tail_forward.lower(weights, layer, x),

@@ -61,6 +61,7 @@ from models.common import check_model, layer_compute_dtypes, loss_denominator, p
 from sljax.memory import DEVICE, HOST, InFlight, Placement, accumulate, prefetch
 from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 from sljax.optim import check_per_parameter
+from sljax.sizes import model_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,6 +357,7 @@ class Engine:
   def __init__(self, model, optimizer: optax.GradientTransformation, cfg: EngineConfig,
                placement: Placement | None = None):
     check_model(model)
+    sizes = model_sizes(model)  # its params' shapes, read once per model object: a plan of the model read them too
     if getattr(model.cfg, "remat", False):
       model = model.without_remat()  # per-layer remat inside a recomputed group would recompute twice
     num_layers = model.cfg.num_layers
@@ -368,8 +370,8 @@ class Engine:
     if cfg.parked_grads_dtype not in PARKED_GRADS_DTYPES:
       raise ValueError(f"parked_grads_dtype must be one of {', '.join(PARKED_GRADS_DTYPES)}, got "
                        f"{cfg.parked_grads_dtype!r}")
-    layer_shapes = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))
-    check_per_parameter(optimizer, layer_shapes, jax.eval_shape(model.init_outer, jax.random.key(0)))
+    layer_shapes, outer_shapes = sizes.layer_shapes, sizes.outer_shapes
+    check_per_parameter(optimizer, layer_shapes, outer_shapes)
     self.model, self.optimizer, self.cfg = model, optimizer, cfg
     self.place = placement or Placement.single()
     # Both hold weak references: a state the caller drops (for a restored one, say) is freed at once, not kept alive
@@ -420,7 +422,6 @@ class Engine:
     self._init_layers = jax.jit(model.init_layers, out_shardings=sharded(layer_shapes))
     self._init_opt = jax.jit(optimizer.init, out_shardings=sharded(jax.eval_shape(optimizer.init, layer_shapes)))
     # Embeddings + head: master weights and optimizer state split over fsdp like a group's (gathered whole per step).
-    outer_shapes = jax.eval_shape(model.init_outer, jax.random.key(0))
     self._init_outer = jax.jit(model.init_outer, out_shardings=sharded(outer_shapes))
     self._init_outer_opt = jax.jit(optimizer.init, out_shardings=sharded(jax.eval_shape(optimizer.init, outer_shapes)))
 

@@ -56,6 +56,12 @@ def model_sizes(model) -> ModelSizes:
   return sizes
 
 
+def stacked_layer_shapes(model, layers: int):
+  """The shapes of model.init_layers of `layers` keys (each leaf stacked on a leading axis of `layers`), from
+  model_sizes' one layer: no trace of the model's init."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((layers, *x.shape[1:]), x.dtype), model_sizes(model).layer_shapes)
+
+
 _SIZES = weakref.WeakKeyDictionary()  # model -> (its cfg, its ModelSizes): each read traces its init and layers
 
 

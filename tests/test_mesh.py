@@ -276,12 +276,29 @@ def test_two_processes_train_like_one(tmp_path):
   """Two processes of 2 CPU devices each (mesh data 2 x fsdp 2: fsdp within a process, data across) run two steps;
   their losses equal one process's on a 2 x 2 mesh."""
   address = f"127.0.0.1:{_free_port()}"
-  env = dict(os.environ, XLA_FLAGS=with_devices(WORKER_DEVICES), JAX_PLATFORMS="cpu")
+  # XLA:CPU launches each local device's part of a program on a client thread pool of max(cores, local devices)
+  # threads, 2 on CI's 2 cores. A launch waiting for room among its device's 32 programs in flight holds one thread,
+  # while the other runs an all-gather that waits for the part that has no thread left: the worker hangs, and the
+  # other in its next all-reduce (a 600-step run of this worker hung every time, within 140-500 steps). A pool of
+  # twice the local devices (PJRT_NPROC) leaves a thread for every part: 3,000 steps, no hang. sljax's CPU mesh has
+  # one device per process (sljax.mesh.default_mesh_shape), whose programs launch on the calling thread.
+  env = dict(os.environ, XLA_FLAGS=with_devices(WORKER_DEVICES), JAX_PLATFORMS="cpu",
+             PJRT_NPROC=str(2 * WORKER_DEVICES))
   workers = [subprocess.Popen([sys.executable, __file__, address, str(i), str(tmp_path / f"{i}.json")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  want = _losses(*_worker_engine(placement(2, WORKER_DEVICES)))
-  for worker in workers:
-    output, _ = worker.communicate(timeout=240)
+  try:
+    want = _losses(*_worker_engine(placement(2, WORKER_DEVICES)))
+    outputs = [worker.communicate(timeout=240)[0] for worker in workers]
+  except subprocess.TimeoutExpired:
+    for worker in workers:
+      worker.kill()
+    tails = [worker.communicate()[0][-1500:] for worker in workers]
+    pytest.fail(f"the two workers did not finish within 240 s (hung in a collective?); their output's ends:\n"
+                f"{tails[0]}\n---\n{tails[1]}")
+  finally:
+    for worker in workers:
+      worker.kill()  # none is left running, whatever failed
+  for worker, output in zip(workers, outputs):
     assert worker.returncode == 0, output[-3000:]
   for i in range(2):
     result = json.loads((tmp_path / f"{i}.json").read_text())

@@ -71,9 +71,9 @@ def adamw_steps(optimizer, steps: int = 3) -> list:
   """(updates, state) after each of `steps` updates of random gradients on a small tree."""
   rng = np.random.default_rng(0)
   params, out = random_tree(rng, 1.0), []
-  state = optimizer.init(params)
+  state, step = optimizer.init(params), jax.jit(optimizer.update)
   for _ in range(steps):
-    update, state = jax.jit(optimizer.update)(random_tree(rng, 1e-2), state, params)
+    update, state = step(random_tree(rng, 1e-2), state, params)
     out.append((update, state))
   return out
 
@@ -157,10 +157,11 @@ def test_an_8bit_moments_step_is_optax_adamw_on_the_dequantized_moments():
   params = random_tree(rng, 1.0)
   state = int8.init(params)
   quantize = lambda code, tree: jax.tree.map(code.quantize, tree)
+  adamw_update, int8_update = jax.jit(adamw.update), jax.jit(int8.update)
   for _ in range(4):
     grads = random_tree(rng, 1e-2)
-    want, want_state = jax.jit(adamw.update)(grads, dequantized(state), params)
-    update, state = jax.jit(int8.update)(grads, state, params)
+    want, want_state = adamw_update(grads, dequantized(state), params)
+    update, state = int8_update(grads, state, params)
     # Within 1e-6 of the largest: the dequantization fused into the update rounds its last bit otherwise than a
     # dequantized copy does, which shows where weight decay cancels most of an element's update.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6 * np.max(np.abs(b))), update, want)

@@ -53,7 +53,7 @@ from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 from sljax.metrics import StepFlops, step_flops
 from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
 from sljax.schedule import Residuals, check_training_batch
-from sljax.sizes import model_sizes
+from sljax.sizes import model_sizes, stacked_layer_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,9 +284,7 @@ class LoraEngine:
 
   def init(self, key: jax.Array) -> dict:
     """Fresh adapters (LoraModel.init_adapters: the model starts as the base), their optimizer state, step 0."""
-    shapes = jax.eval_shape(lambda: self.model.base.init_layers(jax.random.split(jax.random.key(0),
-                                                                                  self.model.cfg.num_layers)))
-    adapters = jax.jit(self.model.init_adapters)(key, shapes)
+    adapters = jax.jit(self.model.init_adapters)(key, stacked_layer_shapes(self.model.base, self.model.cfg.num_layers))
     return self.from_adapters(adapters)
 
   def from_adapters(self, adapters) -> dict:

@@ -14,7 +14,7 @@ from sljax.lora.model import LoraModel, split_adapters
 from sljax.machines import GIB, Budget, Machine
 from sljax.memory import tree_bytes
 from sljax.plan import RESIDUALS, gpu_peak_from_cpu
-from sljax.sizes import model_sizes
+from sljax.sizes import model_sizes, stacked_layer_shapes
 
 # Streamed groups' weights on the device at once, as the step paces itself (one group ahead, sljax.memory.InFlight):
 # the group whose calls may still be running (its buffers are freed once they have run), the next one, and the one
@@ -82,8 +82,7 @@ class LoraPlan(NamedTuple):
 def held_layer_bytes(model: LoraModel) -> int:
   """Bytes of one base layer as the engine holds it (sljax.lora.engine.held_base: with base_bits, the kernels' codes
   and scales), from the shapes of the model's params."""
-  shapes = jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), 1)))
-  return tree_bytes(jax.eval_shape(lambda stacked: held_base(model, stacked), shapes))
+  return tree_bytes(jax.eval_shape(lambda stacked: held_base(model, stacked), stacked_layer_shapes(model.base, 1)))
 
 
 def _lowered_calls(model: LoraModel, live_layers: int, last_layers: int, rows: int, seq_len: int) -> list:
@@ -93,15 +92,12 @@ def _lowered_calls(model: LoraModel, live_layers: int, last_layers: int, rows: i
   step = LoraEngine(model, optax.sgd(0.0), LoraEngineConfig(live_layers=live_layers)).calls  # one device's
   shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
   x = shape(rows, seq_len, model_sizes(model.base).hidden)
-
-  def base_layers(layers):
-    return jax.eval_shape(lambda: model.base.init_layers(jax.random.split(jax.random.key(0), layers)))
-
+  base_layers = lambda layers: stacked_layer_shapes(model.base, layers)
   # Every call takes the whole adapter stack and its gradient accumulators (the group's layers are sliced inside).
   stack = jax.eval_shape(model.init_adapters, jax.random.key(0), base_layers(model.cfg.num_layers))
   grads, start = jax.eval_shape(step.zeros, stack), shape(dtype=jnp.int32)
   held = lambda layers: jax.eval_shape(step.hold, base_layers(layers))
-  outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
+  outer = model_sizes(model.base).outer_shapes
   _, residuals = jax.eval_shape(step.tail_forward, held(last_layers), stack, start, start, x)
   calls = [step.tail_forward.lower(held(last_layers), stack, start, start, x),
            step.head.lower(outer, x, shape(rows, seq_len, dtype=jnp.int32), shape(rows, seq_len, dtype=jnp.float32),
@@ -148,7 +144,7 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
   optimizer = optimizer or optax.adamw(1e-4)
   layers, layer = sizes.num_layers, held_layer_bytes(model)
   adapters = split_adapters(jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), layers))))[1]
-  outer = jax.eval_shape(model.base.init_outer, jax.random.key(0))
+  outer = sizes.outer_shapes
   fixed = {MARGIN: margin_bytes(target),
            "embeddings+head (frozen)": tree_bytes(outer),
            # each stacked over all layers, whatever the groups: master, gradients (one slot on each device), the new
