@@ -112,7 +112,10 @@ def test_lora_over_a_data_mesh_trains_as_on_one_device_and_resumes(tmp_path, tra
   assert from_one_device[3] == pytest.approx(resumed[3], rel=1e-5)
   for a, b in zip(*(sorted(read_adapters(open_checkpoint(str(tmp_path / name))).items()) for name in ("mesh", "one"))):
     for leaf in ("lora_a", "lora_b"):
-      np.testing.assert_allclose(a[1][leaf], b[1][leaf], rtol=1e-5, atol=1e-7)
+      # Within 1e-5 of the leaf's largest: the two step-2 states differ by fp32 rounding, which the third step's Adam
+      # update amplifies most in the smallest elements (on an AVX-512 CPU: 7.7e-7 in an element of 0.024, the leaf's
+      # largest 0.18), past an absolute 1e-7.
+      np.testing.assert_allclose(a[1][leaf], b[1][leaf], rtol=1e-5, atol=1e-5 * np.max(np.abs(b[1][leaf])))
 
 
 def test_a_checkpoint_of_adapters_in_layer_groups_resumes_under_other_groups_as_a_stacked_one(tmp_path, trained):
