@@ -343,89 +343,73 @@ def _clip(grads, norm, max_norm):
   return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), grads)
 
 
-class Engine:
-  """Trains `model` (any models.common.TrainingModel) with `optimizer` layer-major.
+def cast_layers(stacked, layer_dtypes):
+  """Stacked layer params (a group's master weights) in the dtypes `layer_dtypes` the layers run in."""
+  return jax.tree.map(lambda x, dtype: x.astype(dtype), stacked, layer_dtypes)
 
-  `optimizer` is applied group by group, so it must treat each parameter independently (AdamW, SGD, Lion, ...);
-  global-norm clipping is the engine's own `grad_clip_norm`, computed exactly over all groups.
 
-  Each layer leaf runs in the dtype the model gives it (`models.common.layer_compute_dtypes`: by default matmul
-  kernels in cfg.dtype, vectors as stored), so a step computes what the model computes on its master weights. A model
-  with cfg.remat runs without it (`without_remat()`): each group's backward already recomputes the group's forward.
-  """
+# The jitted calls of the models (and optimizers) engines were made for lately, by model object and mesh: a new
+# engine of the same model (another split or placement, the same step again, the planner sizing the calls) finds
+# them traced and compiled. They hold their models alive, so only the latest few.
+SHARED_CALLS = 8
+_SHARED = collections.OrderedDict()  # key -> (the model's cfg when made, the calls)
 
-  def __init__(self, model, optimizer: optax.GradientTransformation, cfg: EngineConfig,
-               placement: Placement | None = None):
-    check_model(model)
-    sizes = model_sizes(model)  # its params' shapes, read once per model object: a plan of the model read them too
-    if getattr(model.cfg, "remat", False):
-      model = model.without_remat()  # per-layer remat inside a recomputed group would recompute twice
-    num_layers = model.cfg.num_layers
-    if cfg.sub_batches < 1 or cfg.live_layers < 1:
-      raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
-    if not 0 <= cfg.tail_layers <= num_layers:
-      raise ValueError(f"tail_layers must be in 0..{num_layers} (the model's layers), got {cfg.tail_layers}")
-    if cfg.live_layers > num_layers:
-      raise ValueError(f"live_layers must be at most the model's {num_layers} layers, got {cfg.live_layers}")
-    if cfg.parked_grads_dtype not in PARKED_GRADS_DTYPES:
-      raise ValueError(f"parked_grads_dtype must be one of {', '.join(PARKED_GRADS_DTYPES)}, got "
-                       f"{cfg.parked_grads_dtype!r}")
-    layer_shapes, outer_shapes = sizes.layer_shapes, sizes.outer_shapes
-    check_per_parameter(optimizer, layer_shapes, outer_shapes)
-    self.model, self.optimizer, self.cfg = model, optimizer, cfg
-    self.place = placement or Placement.single()
-    # Both hold weak references: a state the caller drops (for a restored one, say) is freed at once, not kept alive
-    # in pinned memory by the engine's bookkeeping.
-    self._retired = collections.deque()  # lists of replaced host buffers, oldest first (see _retire)
-    # Host groups' new state as it leaves the device (see _admit); bounded, for callers of `calls.apply` that never
-    # admit (the step always admits before it appends, so nothing is dropped unwaited).
-    self._written_back = collections.deque(maxlen=UPDATES_IN_FLIGHT)
-    self.groups = cfg.bounds(num_layers)
-    self.state_on_device = state_on_device(len(self.groups), cfg.device_state_groups)
-    self.compute_dtype = jnp.dtype(model.cfg.dtype)  # of the activations
-    self.layer_dtypes = layer_compute_dtypes(model, layer_shapes)  # what each leaf of a group runs in
-    # A host group keeps a copy in those dtypes, the one that crosses PCIe, when any leaf's differs from its master's.
-    self.separate_weights = any(jax.tree.leaves(jax.tree.map(lambda x, d: x.dtype != d, layer_shapes,
-                                                             self.layer_dtypes)))
 
-    # Per-sub-batch calls see the whole weights and this device's rows; outputs are rows or per-device slots.
-    local, whole, rows = self.place.local, REPLICATED, PER_DEVICE
-    self._embed = local(lambda outer, tokens: model.embed(outer, tokens), (whole, rows), rows)
-    self._forward = local(model.layers, (whole, rows), rows)  # its input is still being stashed: not donated
+def _shared(key: tuple, cfg, make: Callable):
+  """make(), or what it made for the same key while the key's model had the same cfg object."""
+  try:
+    hit = _SHARED.get(key)
+  except TypeError:  # an unhashable model or optimizer: its engine's own calls
+    return make()
+  if hit is None or hit[0] is not cfg:
+    hit = _SHARED[key] = (cfg, make())
+    while len(_SHARED) > SHARED_CALLS:
+      _SHARED.popitem(last=False)
+  _SHARED.move_to_end(key)
+  return hit[1]
+
+
+@jax.jit
+def _sq_norm(tree):
+  return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
+
+
+@functools.cache
+def _narrowing(dtype: str) -> Callable:
+  """A tree's leaves cast to `dtype`, donated; float32 (the gradients' own dtype): unchanged."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return lambda tree: tree
+  return jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree), donate_argnums=0)
+
+
+class _ModelCalls:
+  """An engine's jitted calls of its model (run without remat) on a mesh: per-sub-batch calls see the whole weights
+  and this device's rows, outputs are rows or per-device slots (Placement.local)."""
+
+  def __init__(self, model, sizes, mesh):
+    self.model = model = model.without_remat() if getattr(model.cfg, "remat", False) else model
+    self.layer_dtypes = layer_compute_dtypes(model, sizes.layer_shapes)
+    place = Placement(mesh)
+    local, whole, rows = place.local, REPLICATED, PER_DEVICE
+    self.embed = local(lambda outer, tokens: model.embed(outer, tokens), (whole, rows), rows)
+    self.forward = local(model.layers, (whole, rows), rows)  # its input is still being stashed: not donated
     # The last group, one layer a call: (weights, layer, x) -> (y, the layer's residuals); (outer, h, targets,
     # loss_weights, inv_total, outer_grads) -> (loss, dh, outer_grads); (weights, layer, first, residuals, dy, grads)
     # -> (dx, grads). Each donates the activation it replaces; the residuals are freed as their backward runs.
-    self._tail_forward = local(self._tail_forward_fn, (whole, whole, rows), rows, donate=(2,))
-    self._head = local(self._head_fn, (whole, rows, rows, rows, whole, rows), rows, donate=(1, 5))
-    self._tail_backward = local(self._tail_backward_fn, (whole, whole, whole, rows, rows, rows), rows, donate=(4, 5))
-    # The calls' layer indices and first-sub-batch flags, on the device once: arguments, so one compile serves all.
-    start, stop = self.groups[-1]
-    self._layer_indices = self.place.to_device([np.int32(i) for i in range(stop - start)])
-    self._first = self.place.to_device([np.bool_(False), np.bool_(True)])
-    self._backward = local(self._backward_fn, (whole, rows, rows, rows), rows, donate=(1, 3))
-    self._embed_backward = local(self._embed_backward_fn, (whole, rows, rows, rows), rows, donate=(3,))
-    self._last_group_loss = local(self._last_group_loss_fn, (whole, whole, rows, rows, rows, whole), rows)
-    self._quantize = local(quantize_rows, (rows,), (rows, rows))
-    self._dequantize = local(functools.partial(dequantize_rows, dtype=self.compute_dtype), (rows, rows), rows)
-    self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))  # elementwise: runs on the shards
-    self._updated_copy = jax.jit(self._update_fn)  # for params(): leaves the state it reads alone
-    # Gradient accumulators: fp32 whatever the compute dtype, a slot per device (leading axis) so that no sub-batch
-    # call communicates; placed like the step's outputs so nothing recompiles.
-    self._zeros = self.place.zero_slots
-    self._sq_norm = jax.jit(lambda tree: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
-    parked = jnp.dtype(cfg.parked_grads_dtype)
-    self._narrow = (jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(parked), tree), donate_argnums=0)
-                    if parked != jnp.float32 else lambda tree: tree)
-    self._cast = jax.jit(self.cast_layers)
+    self.tail_forward = local(self._tail_forward_fn, (whole, whole, rows), rows, donate=(2,))
+    self.head = local(self._head_fn, (whole, rows, rows, rows, whole, rows), rows, donate=(1, 5))
+    self.tail_backward = local(self._tail_backward_fn, (whole, whole, whole, rows, rows, rows), rows, donate=(4, 5))
+    self.backward = local(self._backward_fn, (whole, rows, rows, rows), rows, donate=(1, 3))
+    self.embed_backward = local(self._embed_backward_fn, (whole, rows, rows, rows), rows, donate=(3,))
+    self.last_group_loss = local(self._last_group_loss_fn, (whole, whole, rows, rows, rows, whole), rows)
+    self.quantize = local(quantize_rows, (rows,), (rows, rows))
+    self.dequantize = local(functools.partial(dequantize_rows, dtype=jnp.dtype(model.cfg.dtype)), (rows, rows), rows)
+    self.cast = jax.jit(functools.partial(cast_layers, layer_dtypes=self.layer_dtypes))
     # State is created in its final layout: no process ever holds more than its own devices' parts.
-    sharded = lambda tree: self.place.shardings(tree, DEVICE, self.place.state_spec)
-    self._init_layers = jax.jit(model.init_layers, out_shardings=sharded(layer_shapes))
-    self._init_opt = jax.jit(optimizer.init, out_shardings=sharded(jax.eval_shape(optimizer.init, layer_shapes)))
-    # Embeddings + head: master weights and optimizer state split over fsdp like a group's (gathered whole per step).
-    self._init_outer = jax.jit(model.init_outer, out_shardings=sharded(outer_shapes))
-    self._init_outer_opt = jax.jit(optimizer.init, out_shardings=sharded(jax.eval_shape(optimizer.init, outer_shapes)))
-
-  # ---- jitted pieces -------------------------------------------------------------------------------------------
+    sharded = lambda tree: place.shardings(tree, DEVICE, place.state_spec)
+    self.init_layers = jax.jit(model.init_layers, out_shardings=sharded(sizes.layer_shapes))
+    # Embeddings + head: master weights split over fsdp like a group's (gathered whole per step).
+    self.init_outer = jax.jit(model.init_outer, out_shardings=sharded(sizes.outer_shapes))
 
   def _tail_forward_fn(self, weights, layer, x):
     one = _one_layer(weights, layer)
@@ -443,19 +427,6 @@ class Engine:
     d_weights, dx = residuals.vjp(_one_layer(weights, layer))(dy)
     return dx, _accumulate_layer(grads, d_weights, layer, first, jax.tree.leaves(weights)[0].shape[0])
 
-  def _last_group(self, weights, outer, x, targets, loss_weights, inv_total, grads, outer_grads):
-    """One sub-batch through the last group, the head and back (see Calls.last_group): one call per layer forward,
-    keeping each layer's residuals in buffers of its own, the head's call, one call per layer backward."""
-    first = self._first[grads is None]
-    kept = []
-    for layer in self._layer_indices:
-      x, residuals = self._tail_forward(weights, layer, x)
-      kept.append(residuals)
-    loss, dy, outer_grads = self._head(outer, x, targets, loss_weights, inv_total, outer_grads)
-    for layer in reversed(self._layer_indices):
-      dy, grads = self._tail_backward(weights, layer, first, kept.pop(), dy, grads)  # frees that layer's residuals
-    return loss, dy, grads, outer_grads
-
   def _last_group_loss_fn(self, weights, outer, x, targets, loss_weights, inv_total):
     h = self.model.layers(weights, x)
     return (self.model.head_loss(outer, h, targets, loss_weights) * inv_total)[None]  # this device's rows' part
@@ -469,18 +440,113 @@ class Engine:
     _, vjp = jax.vjp(lambda o: self.model.embed(o, tokens), outer)
     return accumulate(outer_grads, vjp(dh)[0])
 
+
+class _OptimizerCalls:
+  """An engine's jitted optimizer calls: its update (with the engine's clipping) and its state's init, in the
+  layout of a model's state on a mesh."""
+
+  def __init__(self, optimizer, grad_clip_norm: float, sizes, mesh):
+    self.optimizer, self.grad_clip_norm = optimizer, grad_clip_norm
+    self.update = jax.jit(self._update_fn, donate_argnums=(0, 1))  # elementwise: runs on the shards
+    self.updated_copy = jax.jit(self._update_fn)  # for params(): leaves the state it reads alone
+    place = Placement(mesh)
+    sharded = lambda tree: place.shardings(tree, DEVICE, place.state_spec)
+    self.init_opt = jax.jit(optimizer.init, out_shardings=sharded(jax.eval_shape(optimizer.init, sizes.layer_shapes)))
+    self.init_outer_opt = jax.jit(optimizer.init,
+                                  out_shardings=sharded(jax.eval_shape(optimizer.init, sizes.outer_shapes)))
+
   def _update_fn(self, master, opt_state, grads, norm, ok):
     """The optimizer's update, or (ok false: a non-finite step) the state unchanged."""
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # a parked gradient may wait narrower
-    if self.cfg.grad_clip_norm > 0:
-      grads = _clip(grads, norm, self.cfg.grad_clip_norm)
+    if self.grad_clip_norm > 0:
+      grads = _clip(grads, norm, self.grad_clip_norm)
     updates, new_opt_state = self.optimizer.update(grads, opt_state, master)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     return keep(optax.apply_updates(master, updates), master), keep(new_opt_state, opt_state)
 
+
+class Engine:
+  """Trains `model` (any models.common.TrainingModel) with `optimizer` layer-major.
+
+  `optimizer` is applied group by group, so it must treat each parameter independently (AdamW, SGD, Lion, ...);
+  global-norm clipping is the engine's own `grad_clip_norm`, computed exactly over all groups.
+
+  Each layer leaf runs in the dtype the model gives it (`models.common.layer_compute_dtypes`: by default matmul
+  kernels in cfg.dtype, vectors as stored), so a step computes what the model computes on its master weights. A model
+  with cfg.remat runs without it (`without_remat()`): each group's backward already recomputes the group's forward.
+  """
+
+  def __init__(self, model, optimizer: optax.GradientTransformation, cfg: EngineConfig,
+               placement: Placement | None = None):
+    check_model(model)
+    sizes = model_sizes(model)  # its params' shapes, read once per model object: a plan of the model read them too
+    num_layers = model.cfg.num_layers
+    if cfg.sub_batches < 1 or cfg.live_layers < 1:
+      raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
+    if not 0 <= cfg.tail_layers <= num_layers:
+      raise ValueError(f"tail_layers must be in 0..{num_layers} (the model's layers), got {cfg.tail_layers}")
+    if cfg.live_layers > num_layers:
+      raise ValueError(f"live_layers must be at most the model's {num_layers} layers, got {cfg.live_layers}")
+    if cfg.parked_grads_dtype not in PARKED_GRADS_DTYPES:
+      raise ValueError(f"parked_grads_dtype must be one of {', '.join(PARKED_GRADS_DTYPES)}, got "
+                       f"{cfg.parked_grads_dtype!r}")
+    layer_shapes, outer_shapes = sizes.layer_shapes, sizes.outer_shapes
+    check_per_parameter(optimizer, layer_shapes, outer_shapes)
+    self.place = placement or Placement.single()
+    # The jitted calls of this model object on this mesh (and of this optimizer and clipping), shared by all its
+    # engines: another engine of the model, or the planner sizing its calls, traces and compiles none of them again.
+    calls = _shared(("model", model, self.place.mesh), model.cfg, lambda: _ModelCalls(model, sizes, self.place.mesh))
+    updates = _shared(("optimizer", optimizer, cfg.grad_clip_norm, model, self.place.mesh), model.cfg,
+                      lambda: _OptimizerCalls(optimizer, cfg.grad_clip_norm, sizes, self.place.mesh))
+    model = calls.model  # without remat: per-layer remat inside a recomputed group would recompute twice
+    self.model, self.optimizer, self.cfg = model, optimizer, cfg
+    # Both hold weak references: a state the caller drops (for a restored one, say) is freed at once, not kept alive
+    # in pinned memory by the engine's bookkeeping.
+    self._retired = collections.deque()  # lists of replaced host buffers, oldest first (see _retire)
+    # Host groups' new state as it leaves the device (see _admit); bounded, for callers of `calls.apply` that never
+    # admit (the step always admits before it appends, so nothing is dropped unwaited).
+    self._written_back = collections.deque(maxlen=UPDATES_IN_FLIGHT)
+    self.groups = cfg.bounds(num_layers)
+    self.state_on_device = state_on_device(len(self.groups), cfg.device_state_groups)
+    self.compute_dtype = jnp.dtype(model.cfg.dtype)  # of the activations
+    self.layer_dtypes = calls.layer_dtypes  # what each leaf of a group runs in
+    # A host group keeps a copy in those dtypes, the one that crosses PCIe, when any leaf's differs from its master's.
+    self.separate_weights = any(jax.tree.leaves(jax.tree.map(lambda x, d: x.dtype != d, layer_shapes,
+                                                             self.layer_dtypes)))
+
+    (self._embed, self._forward, self._tail_forward, self._head, self._tail_backward, self._backward,
+     self._embed_backward, self._last_group_loss, self._quantize, self._dequantize, self._cast, self._init_layers,
+     self._init_outer) = (calls.embed, calls.forward, calls.tail_forward, calls.head, calls.tail_backward,
+                          calls.backward, calls.embed_backward, calls.last_group_loss, calls.quantize, calls.dequantize,
+                          calls.cast, calls.init_layers, calls.init_outer)
+    self._update, self._updated_copy, self._init_opt, self._init_outer_opt = (
+        updates.update, updates.updated_copy, updates.init_opt, updates.init_outer_opt)
+    # The calls' layer indices and first-sub-batch flags, on the device once: arguments, so one compile serves all.
+    start, stop = self.groups[-1]
+    self._layer_indices = self.place.to_device([np.int32(i) for i in range(stop - start)])
+    self._first = self.place.to_device([np.bool_(False), np.bool_(True)])
+    # Gradient accumulators: fp32 whatever the compute dtype, a slot per device (leading axis) so that no sub-batch
+    # call communicates; placed like the step's outputs so nothing recompiles.
+    self._zeros = self.place.zero_slots
+    self._sq_norm = _sq_norm
+    self._narrow = _narrowing(cfg.parked_grads_dtype)
+
+  def _last_group(self, weights, outer, x, targets, loss_weights, inv_total, grads, outer_grads):
+    """One sub-batch through the last group, the head and back (see Calls.last_group): one call per layer forward,
+    keeping each layer's residuals in buffers of its own, the head's call, one call per layer backward."""
+    first = self._first[grads is None]
+    kept = []
+    for layer in self._layer_indices:
+      x, residuals = self._tail_forward(weights, layer, x)
+      kept.append(residuals)
+    loss, dy, outer_grads = self._head(outer, x, targets, loss_weights, inv_total, outer_grads)
+    for layer in reversed(self._layer_indices):
+      dy, grads = self._tail_backward(weights, layer, first, kept.pop(), dy, grads)  # frees that layer's residuals
+    return loss, dy, grads, outer_grads
+
   def cast_layers(self, stacked):
     """Stacked layer params (a group's master weights) in the dtypes the layers run in."""
-    return jax.tree.map(lambda x, dtype: x.astype(dtype), stacked, self.layer_dtypes)
+    return cast_layers(stacked, self.layer_dtypes)
 
   # ---- state ---------------------------------------------------------------------------------------------------
 
