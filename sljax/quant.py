@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 CODES = {8: 127, 4: 7}  # symmetric: int4 leaves -8 unused, so that 0 stays exact and the range is even
 WEIGHT_BITS = (16, 8, 4)  # what a layer's weights may be kept as: the compute dtype, or int8 / int4 codes
+HALVES_BLOCK = (32, 256)  # rows, columns of each half that one program of dequantize_halves' GPU kernel writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,8 @@ def quantize_kernel(w_LxIxO: jax.Array, cfg: QuantConfig) -> dict:
 
 def dequantize_kernel(packed: dict, dtype) -> jax.Array:
   """The kernel in `dtype` from its codes and scales (in fp32, so that every product is exact before the cast)."""
+  if "halves" in packed:
+    return dequantize_halves(packed, dtype)
   codes, scale_LxNxO = packed["codes"], packed["scale"]
   layers, rows, cols = codes.shape
   groups = scale_LxNxO.shape[1]
@@ -66,9 +69,71 @@ def dequantize_kernel(packed: dict, dtype) -> jax.Array:
   return w.reshape(layers, rows, cols).astype(dtype)
 
 
+def dequantize_halves(node: dict, dtype) -> jax.Array:
+  """dequantize_kernel of pack_halves' layout, bit for bit: on a GPU one Pallas kernel per row block that writes both
+  halves of its rows (where the blocks divide the kernel), else XLA's unpacking."""
+  halves, scale = node["halves"], node["scale"]
+  layers, rows, half = halves.shape
+  group = rows // scale.shape[1]
+  cols = next((c for c in (HALVES_BLOCK[1] >> k for k in range(4)) if half % c == 0), 0)
+  if jax.devices()[0].platform != "gpu" or rows % HALVES_BLOCK[0] or group % HALVES_BLOCK[0] or not cols:
+    return dequantize_kernel(unpack_halves(node, jnp.int8), dtype)
+  return _dequantize_halves_pallas(halves, scale, dtype, HALVES_BLOCK[0], cols)
+
+
+def _dequantize_halves_pallas(halves, scale, dtype, block_rows: int, block_cols: int, interpret: bool = False):
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+
+  layers, rows, half = halves.shape
+  group = rows // scale.shape[1]
+
+  def kernel(codes_ref, scale_ref, out_ref):  # codes [R, C]; scale [1, 2, C]: the rows' group; out [R, 2, C]
+    codes = codes_ref[...].astype(jnp.int32)
+    # Each half's scales loaded by the ref's own indexing: Pallas' Triton lowering has no slice of a loaded value.
+    low, high = scale_ref[:, 0, :].astype(jnp.float32), scale_ref[:, 1, :].astype(jnp.float32)  # [1, C] each
+    out_ref[:, 0, :] = (((codes & 0xF) - 8).astype(jnp.float32) * low).astype(out_ref.dtype)
+    out_ref[:, 1, :] = (((codes >> 4) - 8).astype(jnp.float32) * high).astype(out_ref.dtype)
+
+  out = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((layers, rows, 2, half), dtype),
+      grid=(layers, rows // block_rows, half // block_cols),
+      in_specs=[pl.BlockSpec((None, block_rows, block_cols), lambda l, i, j: (l, i, j)),
+                pl.BlockSpec((None, 1, 2, block_cols), lambda l, i, j: (l, i * block_rows // group, 0, j))],
+      out_specs=pl.BlockSpec((None, block_rows, 2, block_cols), lambda l, i, j: (l, i, 0, j)),
+      compiler_params=pltriton.CompilerParams(),  # Triton, as a GPU picks by default; also where it is only lowered
+      interpret=interpret)(halves, scale.reshape(layers, rows // group, 2, half))
+  return out.reshape(layers, rows, 2 * half)
+
+
 def is_packed(node) -> bool:
-  """A compressed kernel: {"codes", "scale"}."""
-  return isinstance(node, dict) and set(node) == {"codes", "scale"}
+  """A compressed kernel: {"codes", "scale"}, or int4 codes as bytes {"halves", "scale"} (pack_halves)."""
+  return isinstance(node, dict) and set(node) in ({"codes", "scale"}, {"halves", "scale"})
+
+
+# int4 codes as bytes, for a kernel dequantized whole in its own fusion (a training call's, where every call
+# multiplies thousands of rows by it): XLA reads a native int4 array a value at a time there, at about a third of the
+# HBM's rate (one llama70b layer 1.48 ms on the H200, benchmarks/results/int4_matmul_h200.json), while a byte holding
+# column j's code and column j + out/2's unpacks into two contiguous halves of the row. A decode step's matmul reads
+# native int4 straight into the dot instead, so generation keeps that layout.
+def can_pack_halves(packed: dict) -> bool:
+  return "codes" in packed and packed["codes"].dtype == jnp.int4 and packed["codes"].shape[-1] % 2 == 0
+
+
+def pack_halves(packed: dict) -> dict:
+  """Native int4 codes [L, I, O] as {"halves": uint8 [L, I, O/2], "scale"}: the low nibble holds column j's code
+  + 8, the high nibble column j + O/2's. The same bytes as the native array."""
+  codes = packed["codes"].astype(jnp.int8) + 8
+  half = codes.shape[-1] // 2
+  return {"halves": codes[..., :half].astype(jnp.uint8) | (codes[..., half:].astype(jnp.uint8) << 4),
+          "scale": packed["scale"]}
+
+
+def unpack_halves(node: dict, dtype=jnp.int4) -> dict:
+  """pack_halves' inverse: {"codes": native int4 (or `dtype`), "scale"}."""
+  halves = node["halves"]
+  low, high = (halves & 0xF).astype(jnp.int8) - 8, (halves >> 4).astype(jnp.int8) - 8
+  return {"codes": jnp.concatenate([low, high], axis=-1).astype(dtype), "scale": node["scale"]}
 
 
 def map_packed(fn, stacked: dict) -> dict:

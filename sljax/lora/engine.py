@@ -51,7 +51,8 @@ from sljax.lora.model import LoraModel, join_adapters, split_adapters
 from sljax.memory import InFlight, Placement, prefetch
 from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 from sljax.metrics import StepFlops, step_flops
-from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
+from sljax.quant import QuantConfig, can_pack_halves, dequantize_layers, map_packed, pack_halves, quantize_layers, \
+    unpack_halves
 from sljax.schedule import Residuals, check_training_batch
 from sljax.sizes import model_sizes, stacked_layer_shapes
 
@@ -93,7 +94,11 @@ def held_base(model: LoraModel, stacked) -> dict:
   compresses layers). jnp: jit it, or eval_shape it for the bytes."""
   cast = jax.tree.map(lambda x, dtype: x.astype(dtype), stacked, layer_compute_dtypes(model.base, stacked))
   bits = model.lora.base_bits
-  return quantize_layers(cast, QuantConfig(bits=bits)) if bits else cast
+  if not bits:
+    return cast
+  # Every call dequantizes whole kernels before its matmuls: int4 codes as bytes unpack at the HBM's rate there.
+  return map_packed(lambda node: pack_halves(node) if can_pack_halves(node) else node,
+                    quantize_layers(cast, QuantConfig(bits=bits)))
 
 
 def group_layers(stack, start, layers: int):
@@ -276,7 +281,8 @@ class LoraEngine:
   def base_params(self) -> dict:
     """The base as full-model params as the engine holds it (a quantized base's kernels as codes and scales), numpy
     (for tests and export)."""
-    layers = [jax.tree.map(np.asarray, group) for group in self.base["groups"]]
+    layers = [jax.tree.map(np.asarray, map_packed(lambda node: unpack_halves(node) if "halves" in node else node,
+                                                  group)) for group in self.base["groups"]]
     return {"outer": jax.tree.map(np.asarray, self.base["outer"]),
             "layers": jax.tree.map(lambda *xs: np.concatenate(xs), *layers)}
 
