@@ -51,7 +51,7 @@ from sljax.lora.model import LoraModel, join_adapters, split_adapters
 from sljax.memory import InFlight, Placement, prefetch
 from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 from sljax.metrics import StepFlops, step_flops
-from sljax.quant import QuantConfig, can_pack_halves, dequantize_layers, map_packed, pack_halves, quantize_layers, \
+from sljax.quant import QuantConfig, can_pack_halves, dequantize_layer, map_packed, pack_halves, quantize_layers, \
     unpack_halves
 from sljax.schedule import Residuals, check_training_batch
 from sljax.sizes import model_sizes, stacked_layer_shapes
@@ -202,7 +202,7 @@ class LoraEngine:
   def _tail_forward_fn(self, base, stack, start, layer, x):
     # A compressed base is dequantized before the vjp, as its backward does again: the dequantized kernels are then
     # the layer's weights, which Residuals leaves out, not residuals kept per layer (an int4 llama70b layer's: 1.6 GiB).
-    base, adapters = dequantize_layers(group_layers(base, layer, 1), self.model.cfg.dtype), group_layers(
+    base, adapters = dequantize_layer(base, layer, self.model.cfg.dtype), group_layers(
         stack, start + layer, 1)
     y, vjp = jax.vjp(lambda adapters, x: self._layers(base, adapters, x), adapters, x)
     return y, Residuals.of(vjp, base, adapters)
@@ -213,7 +213,7 @@ class LoraEngine:
     return loss[None], dh  # loss: this device's rows' part
 
   def _tail_backward_fn(self, base, stack, start, layer, residuals, dy, grads):
-    base, adapters = dequantize_layers(group_layers(base, layer, 1), self.model.cfg.dtype), group_layers(
+    base, adapters = dequantize_layer(base, layer, self.model.cfg.dtype), group_layers(
         stack, start + layer, 1)
     d_adapters, dx = residuals.vjp(base, adapters)(dy)
     return dx, add_group(grads, d_adapters, start + layer)
