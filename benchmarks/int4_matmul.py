@@ -16,7 +16,9 @@ All products are checked against each other (`max_abs_diff_vs_dequantize_dot`). 
 int4 code takes and its copy time from pinned host memory beside the uint8 layout's (is it packed?). `whole_layer`:
 one llama70b layer dequantized as generation's prompt pass does it (sljax.quant.dequantize_layers, every kernel of
 the layer in one jitted call), from native int4 and from the uint8 layout, beside the sum of its kernels' own calls:
-does one call for the whole layer cost what its kernels cost alone?
+does one call for the whole layer cost what its kernels cost alone? And the LoRA engine's layout of the same codes
+(sljax.quant.pack_halves: a byte holds column j's code and column j + out/2's), dequantized by dequantize_layers (on a
+GPU, one Pallas kernel) and by XLA's unpacking, each checked bit for bit against the native array's.
 """
 
 import statistics
@@ -30,8 +32,8 @@ from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, write_
 from models.presets import build, get_config
 from sljax.machines import configure_process
 from sljax.memory import tree_bytes
-from sljax.quant import CODES, QuantConfig, dequantize_kernel, dequantize_layers, is_packed, map_packed, \
-    quantize_kernel, quantize_layers
+from sljax.quant import CODES, QuantConfig, dequantize_kernel, dequantize_layer, dequantize_layers, is_packed, \
+    map_packed, pack_halves, quantize_kernel, quantize_layers, unpack_halves
 
 define_flags("Tiny kernels on CPU: checks every variant runs and agrees.")
 flags.DEFINE_list("rows", ["32", "256"], "Tokens per call (a decode step's rows).")
@@ -130,7 +132,27 @@ def whole_layer(smoke: bool) -> dict:
         "one_call_uint8": timed_ms(jax.jit(lambda t: map_packed(lambda n: dequantize_pairs(n, jnp.bfloat16), t)),
                                    pairs),
         "kernel_calls_int4": sum(timed_ms(one, kernel) for kernel in kernels)}
-  return {"kernels": len(kernels), "codes_bytes": sum(tree_bytes(k["codes"]) for k in kernels), "ms": ms}
+  # The LoRA engine's layout (sljax.quant.pack_halves): dequantize_layers picks the GPU's kernel where it runs; the
+  # XLA unpacking of the same bytes beside it.
+  halves = jax.jit(lambda t: map_packed(pack_halves, t))(native)
+  dequantize = jax.jit(lambda t: dequantize_layers(t, jnp.bfloat16))
+  xla = jax.jit(lambda t: map_packed(lambda n: dequantize_kernel(unpack_halves(n, jnp.int8), jnp.bfloat16), t))
+  ms["one_call_halves"], ms["one_call_halves_xla"] = timed_ms(dequantize, halves), timed_ms(xla, halves)
+  # The LoRA tail's calls: one layer (a traced index) of a stack, read in place (sljax.quant.dequantize_layer) or
+  # sliced out first; a stack of two copies of the layer, index 1.
+  stack = jax.tree.map(lambda x: jnp.concatenate([x, x]), halves)
+  in_place = jax.jit(lambda t, i: dequantize_layer(t, i, jnp.bfloat16))
+  sliced = jax.jit(lambda t, i: dequantize_layers(jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1), t),
+                                                  jnp.bfloat16))
+  index = jnp.int32(1)
+  ms["stack_layer_in_place"] = timed_ms(lambda t: in_place(t, index), stack)
+  ms["stack_layer_sliced"] = timed_ms(lambda t: sliced(t, index), stack)
+  want = dequantize(native)
+  same = lambda got: all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
+  return {"kernels": len(kernels), "codes_bytes": sum(tree_bytes(k["codes"]) for k in kernels), "ms": ms,
+          "halves_bit_equal": {"one_call_halves": same(dequantize(halves)), "one_call_halves_xla": same(xla(halves)),
+                               "stack_layer_in_place": same(in_place(stack, index)),
+                               "stack_layer_sliced": same(sliced(stack, index))}}
 
 
 def main(argv):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 CODES = {8: 127, 4: 7}  # symmetric: int4 leaves -8 unused, so that 0 stays exact and the range is even
 WEIGHT_BITS = (16, 8, 4)  # what a layer's weights may be kept as: the compute dtype, or int8 / int4 codes
+HALVES_BLOCK = (32, 256)  # rows, columns of each half that one program of dequantize_halves' GPU kernel writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,8 @@ def quantize_kernel(w_LxIxO: jax.Array, cfg: QuantConfig) -> dict:
 
 def dequantize_kernel(packed: dict, dtype) -> jax.Array:
   """The kernel in `dtype` from its codes and scales (in fp32, so that every product is exact before the cast)."""
+  if "halves" in packed:
+    return dequantize_halves(packed, dtype)
   codes, scale_LxNxO = packed["codes"], packed["scale"]
   layers, rows, cols = codes.shape
   groups = scale_LxNxO.shape[1]
@@ -66,9 +69,113 @@ def dequantize_kernel(packed: dict, dtype) -> jax.Array:
   return w.reshape(layers, rows, cols).astype(dtype)
 
 
+def dequantize_halves(node: dict, dtype) -> jax.Array:
+  """dequantize_kernel of pack_halves' layout, bit for bit: on a GPU one Pallas kernel per row block that writes both
+  halves of its rows (where the blocks divide the kernel), else XLA's unpacking."""
+  cols = _kernel_cols(node)
+  if not cols:
+    return dequantize_kernel(unpack_halves(node, jnp.int8), dtype)
+  return _dequantize_halves_pallas(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], cols)
+
+
+def dequantize_layer(stacked: dict, layer, dtype) -> dict:
+  """Layer `layer` (may be traced) of a stack, every kernel dequantized, as leaves of one layer: what
+  dequantize_layers(the layer's slice) gives, bit for bit, except that the GPU's kernel reads the bytes layout's codes
+  in place in the stack (a slice before a custom call is a copy: 0.43 GB per llama70b layer)."""
+  def one(node):
+    if is_packed(node) and "halves" in node and _kernel_cols(node):
+      return _dequantize_halves_pallas(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], _kernel_cols(node),
+                                       layer=layer)
+    sliced = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1), node)
+    return dequantize_kernel(sliced, dtype) if is_packed(node) else sliced
+  return jax.tree.map(one, stacked, is_leaf=is_packed)
+
+
+def _kernel_cols(node: dict) -> int:
+  """The column block of the GPU's kernel for a pack_halves node, or 0 where XLA unpacks it (not a GPU, or the blocks
+  do not divide the kernel or its scale groups)."""
+  _, rows, half = node["halves"].shape
+  group = rows // node["scale"].shape[1]
+  cols = next((c for c in (HALVES_BLOCK[1] >> k for k in range(4)) if half % c == 0), 0)
+  if jax.devices()[0].platform != "gpu" or rows % HALVES_BLOCK[0] or group % HALVES_BLOCK[0]:
+    return 0
+  return cols
+
+
+def _dequantize_halves_pallas(halves, scale, dtype, block_rows: int, block_cols: int, interpret: bool = False,
+                              layer=None):
+  """Every layer of the stack, or (`layer` given, may be traced) that one layer, read in place: [1, rows, out]."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+
+  layers, rows, half = halves.shape
+  group = rows // scale.shape[1]
+  scale = scale.reshape(layers, rows // group, 2, half)
+
+  def dequantize(codes, low, high, out_ref):  # codes [R, C]; low, high [1, C]: the rows' group; out [R, 2, C]
+    codes = codes.astype(jnp.int32)
+    out_ref[:, 0, :] = (((codes & 0xF) - 8).astype(jnp.float32) * low.astype(jnp.float32)).astype(out_ref.dtype)
+    out_ref[:, 1, :] = (((codes >> 4) - 8).astype(jnp.float32) * high.astype(jnp.float32)).astype(out_ref.dtype)
+
+  # Each half's scales loaded by the ref's own indexing: Pallas' Triton lowering has no slice of a loaded value.
+  if layer is None:
+    def kernel(codes_ref, scale_ref, out_ref):  # blocks: codes [R, C]; scale [1, 2, C]
+      dequantize(codes_ref[...], scale_ref[:, 0, :], scale_ref[:, 1, :], out_ref)
+
+    grid, args = (layers, rows // block_rows, half // block_cols), (halves, scale)
+    in_specs = [pl.BlockSpec((None, block_rows, block_cols), lambda l, i, j: (l, i, j)),
+                pl.BlockSpec((None, 1, 2, block_cols), lambda l, i, j: (l, i * block_rows // group, 0, j))]
+    out_spec = pl.BlockSpec((None, block_rows, 2, block_cols), lambda l, i, j: (l, i, 0, j))
+    out_layers = layers
+  else:
+    def kernel(layer_ref, codes_ref, scale_ref, out_ref):  # the whole stack's refs, indexed at the layer
+      l, i, j = layer_ref[0], pl.program_id(0), pl.program_id(1)
+      r, c = pl.ds(i * block_rows, block_rows), pl.ds(j * block_cols, block_cols)
+      g = pl.ds(i * block_rows // group, 1)
+      dequantize(codes_ref[l, r, c], scale_ref[l, g, 0, c], scale_ref[l, g, 1, c], out_ref)
+
+    grid, args = (rows // block_rows, half // block_cols), (jnp.asarray(layer, jnp.int32).reshape(1), halves, scale)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    in_specs = [whole((1,)), whole(halves.shape), whole(scale.shape)]
+    out_spec = pl.BlockSpec((None, block_rows, 2, block_cols), lambda i, j: (0, i, 0, j))
+    out_layers = 1
+
+  out = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((out_layers, rows, 2, half), dtype), grid=grid, in_specs=in_specs,
+      out_specs=out_spec,
+      compiler_params=pltriton.CompilerParams(),  # Triton, as a GPU picks by default; also where it is only lowered
+      interpret=interpret)(*args)
+  return out.reshape(out_layers, rows, 2 * half)
+
+
 def is_packed(node) -> bool:
-  """A compressed kernel: {"codes", "scale"}."""
-  return isinstance(node, dict) and set(node) == {"codes", "scale"}
+  """A compressed kernel: {"codes", "scale"}, or int4 codes as bytes {"halves", "scale"} (pack_halves)."""
+  return isinstance(node, dict) and set(node) in ({"codes", "scale"}, {"halves", "scale"})
+
+
+# int4 codes as bytes, for a kernel dequantized whole in its own fusion (a training call's, where every call
+# multiplies thousands of rows by it): XLA reads a native int4 array a value at a time there, at about a third of the
+# HBM's rate (one llama70b layer 1.48 ms on the H200, benchmarks/results/int4_matmul_h200.json), while a byte holding
+# column j's code and column j + out/2's unpacks into two contiguous halves of the row. A decode step's matmul reads
+# native int4 straight into the dot instead, so generation keeps that layout.
+def can_pack_halves(packed: dict) -> bool:
+  return "codes" in packed and packed["codes"].dtype == jnp.int4 and packed["codes"].shape[-1] % 2 == 0
+
+
+def pack_halves(packed: dict) -> dict:
+  """Native int4 codes [L, I, O] as {"halves": uint8 [L, I, O/2], "scale"}: the low nibble holds column j's code
+  + 8, the high nibble column j + O/2's. The same bytes as the native array."""
+  codes = packed["codes"].astype(jnp.int8) + 8
+  half = codes.shape[-1] // 2
+  return {"halves": codes[..., :half].astype(jnp.uint8) | (codes[..., half:].astype(jnp.uint8) << 4),
+          "scale": packed["scale"]}
+
+
+def unpack_halves(node: dict, dtype=jnp.int4) -> dict:
+  """pack_halves' inverse: {"codes": native int4 (or `dtype`), "scale"}."""
+  halves = node["halves"]
+  low, high = (halves & 0xF).astype(jnp.int8) - 8, (halves >> 4).astype(jnp.int8) - 8
+  return {"codes": jnp.concatenate([low, high], axis=-1).astype(dtype), "scale": node["scale"]}
 
 
 def map_packed(fn, stacked: dict) -> dict:

@@ -117,7 +117,11 @@ def test_int4_matmul_smoke_times_every_variant_and_they_agree(tmp_path):
   assert case["least_bytes"]["fused_int4"] < case["least_bytes"]["bf16"] / 3
   assert result["storage"]["int4_copy_ms"] > 0 and result["storage"]["uint8_pairs_copy_ms"] > 0
   layer = result["whole_layer"]
-  assert layer["kernels"] == 7 and set(layer["ms"]) == {"one_call_int4", "one_call_uint8", "kernel_calls_int4"}
+  assert layer["kernels"] == 7 and set(layer["ms"]) == {"one_call_int4", "one_call_uint8", "kernel_calls_int4",
+                                                        "one_call_halves", "one_call_halves_xla", "stack_layer_in_place",
+                                                        "stack_layer_sliced"}
+  assert layer["halves_bit_equal"] == {"one_call_halves": True, "one_call_halves_xla": True,
+                                       "stack_layer_in_place": True, "stack_layer_sliced": True}
 
 
 @pytest.mark.slow

@@ -8,11 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 from models.presets import build, get_config
 from sljax.memory import tree_bytes
-from sljax.quant import CODES, QuantConfig, dequantize_kernel, dequantize_layers, group_rows, quantize_kernel, \
-    quantize_layers
+from sljax.quant import CODES, HALVES_BLOCK, QuantConfig, _dequantize_halves_pallas, dequantize_kernel, \
+    dequantize_layer, dequantize_layers, group_rows, map_packed, pack_halves, quantize_kernel, quantize_layers, \
+    unpack_halves
 
 from helpers import REPO
 
@@ -46,6 +48,60 @@ def test_int4_codes_are_a_native_int4_array_of_half_a_byte_each():
   assert packed["codes"].dtype == jnp.int4 and packed["codes"].shape == (1, 256, 64)
   assert tree_bytes(packed["codes"]) == 256 * 64 // 2
   assert int(jnp.max(packed["codes"].astype(jnp.int8))) == CODES[4] == -int(jnp.min(packed["codes"].astype(jnp.int8)))
+
+
+@pytest.mark.parametrize("rows, cols, group_size", [(256, 64, 64), (512, 96, 128), (96, 30, 1000)])
+def test_int4_codes_as_bytes_hold_the_same_bytes_and_dequantize_bit_for_bit(rows, cols, group_size):
+  packed = quantize_kernel(weights((2, rows, cols)), QuantConfig(bits=4, group_size=group_size))
+  halves = pack_halves(packed)
+  assert halves["halves"].dtype == jnp.uint8 and tree_bytes(halves) == tree_bytes(packed)
+  np.testing.assert_array_equal(unpack_halves(halves)["codes"].astype(jnp.int8), packed["codes"].astype(jnp.int8))
+  want = np.asarray(dequantize_kernel(packed, jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(dequantize_kernel(halves, jnp.bfloat16)), want)
+  group = rows // packed["scale"].shape[1]
+  if group % 8 == 0 and cols // 2 % 16 == 0:  # the GPU's kernel, interpreted, in blocks of 8 x 16
+    got = _dequantize_halves_pallas(halves["halves"], halves["scale"], jnp.bfloat16, 8, 16, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    # One layer read in place from the stack (the LoRA tail's calls), its index traced
+    one = jax.jit(lambda layer: _dequantize_halves_pallas(halves["halves"], halves["scale"], jnp.bfloat16, 8, 16,
+                                                          interpret=True, layer=layer))
+    for layer in range(2):
+      np.testing.assert_array_equal(np.asarray(one(layer)), want[layer:layer + 1])
+
+
+def test_one_layer_of_a_stack_dequantizes_as_its_slice():
+  rng = np.random.default_rng(1)
+  stack = {"attn": {"kernel": weights((3, 256, 64)), "bias": jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)},
+           "norm": jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)}
+  for bits in (4, 8):
+    packed = quantize_layers(stack, QuantConfig(bits=bits, group_size=64))
+    layouts = [packed] + [map_packed(pack_halves, packed)] * (bits == 4)
+    for layout in layouts:
+      for layer in range(3):
+        got = jax.jit(lambda layer: dequantize_layer(layout, layer, jnp.bfloat16))(layer)
+        want = dequantize_layers(jax.tree.map(lambda x: x[layer:layer + 1], layout), jnp.bfloat16)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+          np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_gpu_kernel_for_int4_bytes_lowers_through_triton_at_a_llama70b_kernels_shape():
+  """Lowered for CUDA on any machine (jax.export): Pallas' Triton lowering runs here as on a GPU. On an H100 every
+  block shape once failed there ('Unimplemented primitive in Pallas Triton lowering: slice'), which interpreting the
+  kernel does not see; only the Triton call's own serialization is let through."""
+  halves = jax.ShapeDtypeStruct((1, 8192, 4096), jnp.uint8)
+  scale = jax.ShapeDtypeStruct((1, 64, 8192), jnp.float16)
+  call = jax.jit(lambda h, s: _dequantize_halves_pallas(h, s, jnp.bfloat16, *HALVES_BLOCK))
+  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  lowered = export.export(call, platforms=["cuda"], disabled_checks=[triton])(halves, scale)
+  assert "xla.gpu.triton" in lowered.mlir_module()
+  assert lowered.out_avals[0].shape == (1, 8192, 8192) and lowered.out_avals[0].dtype == jnp.bfloat16
+  # One layer of an 80-layer stack, read in place at a traced index (the LoRA tail's calls)
+  stack = jax.ShapeDtypeStruct((80, 8192, 4096), jnp.uint8), jax.ShapeDtypeStruct((80, 64, 8192), jnp.float16)
+  call = jax.jit(lambda h, s, layer: _dequantize_halves_pallas(h, s, jnp.bfloat16, *HALVES_BLOCK, layer=layer))
+  lowered = export.export(call, platforms=["cuda"], disabled_checks=[triton])(
+      *stack, jax.ShapeDtypeStruct((), jnp.int32))
+  assert "xla.gpu.triton" in lowered.mlir_module() and lowered.out_avals[0].shape == (1, 8192, 8192)
 
 
 def test_group_is_the_largest_divisor_of_the_contraction_axis_up_to_the_asked_size():

@@ -51,7 +51,8 @@ from sljax.lora.model import LoraModel, join_adapters, split_adapters
 from sljax.memory import InFlight, Placement, prefetch
 from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 from sljax.metrics import StepFlops, step_flops
-from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
+from sljax.quant import QuantConfig, can_pack_halves, dequantize_layer, map_packed, pack_halves, quantize_layers, \
+    unpack_halves
 from sljax.schedule import Residuals, check_training_batch
 from sljax.sizes import model_sizes, stacked_layer_shapes
 
@@ -93,7 +94,11 @@ def held_base(model: LoraModel, stacked) -> dict:
   compresses layers). jnp: jit it, or eval_shape it for the bytes."""
   cast = jax.tree.map(lambda x, dtype: x.astype(dtype), stacked, layer_compute_dtypes(model.base, stacked))
   bits = model.lora.base_bits
-  return quantize_layers(cast, QuantConfig(bits=bits)) if bits else cast
+  if not bits:
+    return cast
+  # Every call dequantizes whole kernels before its matmuls: int4 codes as bytes unpack at the HBM's rate there.
+  return map_packed(lambda node: pack_halves(node) if can_pack_halves(node) else node,
+                    quantize_layers(cast, QuantConfig(bits=bits)))
 
 
 def group_layers(stack, start, layers: int):
@@ -197,7 +202,7 @@ class LoraEngine:
   def _tail_forward_fn(self, base, stack, start, layer, x):
     # A compressed base is dequantized before the vjp, as its backward does again: the dequantized kernels are then
     # the layer's weights, which Residuals leaves out, not residuals kept per layer (an int4 llama70b layer's: 1.6 GiB).
-    base, adapters = dequantize_layers(group_layers(base, layer, 1), self.model.cfg.dtype), group_layers(
+    base, adapters = dequantize_layer(base, layer, self.model.cfg.dtype), group_layers(
         stack, start + layer, 1)
     y, vjp = jax.vjp(lambda adapters, x: self._layers(base, adapters, x), adapters, x)
     return y, Residuals.of(vjp, base, adapters)
@@ -208,7 +213,7 @@ class LoraEngine:
     return loss[None], dh  # loss: this device's rows' part
 
   def _tail_backward_fn(self, base, stack, start, layer, residuals, dy, grads):
-    base, adapters = dequantize_layers(group_layers(base, layer, 1), self.model.cfg.dtype), group_layers(
+    base, adapters = dequantize_layer(base, layer, self.model.cfg.dtype), group_layers(
         stack, start + layer, 1)
     d_adapters, dx = residuals.vjp(base, adapters)(dy)
     return dx, add_group(grads, d_adapters, start + layer)
@@ -276,7 +281,8 @@ class LoraEngine:
   def base_params(self) -> dict:
     """The base as full-model params as the engine holds it (a quantized base's kernels as codes and scales), numpy
     (for tests and export)."""
-    layers = [jax.tree.map(np.asarray, group) for group in self.base["groups"]]
+    layers = [jax.tree.map(np.asarray, map_packed(lambda node: unpack_halves(node) if "halves" in node else node,
+                                                  group)) for group in self.base["groups"]]
     return {"outer": jax.tree.map(np.asarray, self.base["outer"]),
             "layers": jax.tree.map(lambda *xs: np.concatenate(xs), *layers)}
 
