@@ -142,7 +142,7 @@ def _dequantize_halves_pallas(halves, scale, dtype, block_rows: int, block_cols:
 
   out = pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((out_layers, rows, 2, half), dtype), grid=grid, in_specs=in_specs,
-      out_specs=out_spec,
+      out_specs=out_spec, name="dequantize_halves",  # the kernel's name in a profile
       compiler_params=pltriton.CompilerParams(),  # Triton, as a GPU picks by default; also where it is only lowered
       interpret=interpret)(*args)
   return out.reshape(out_layers, rows, 2 * half)
