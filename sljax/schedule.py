@@ -355,7 +355,7 @@ SHARED_CALLS = 8
 _SHARED = collections.OrderedDict()  # key -> (the model's cfg when made, the calls)
 
 
-def _shared(key: tuple, cfg, make: Callable):
+def shared_calls(key: tuple, cfg, make: Callable):
   """make(), or what it made for the same key while the key's model had the same cfg object."""
   try:
     hit = _SHARED.get(key)
@@ -495,9 +495,10 @@ class Engine:
     self.place = placement or Placement.single()
     # The jitted calls of this model object on this mesh (and of this optimizer and clipping), shared by all its
     # engines: another engine of the model, or the planner sizing its calls, traces and compiles none of them again.
-    calls = _shared(("model", model, self.place.mesh), model.cfg, lambda: _ModelCalls(model, sizes, self.place.mesh))
-    updates = _shared(("optimizer", optimizer, cfg.grad_clip_norm, model, self.place.mesh), model.cfg,
-                      lambda: _OptimizerCalls(optimizer, cfg.grad_clip_norm, sizes, self.place.mesh))
+    calls = shared_calls(("model", model, self.place.mesh), model.cfg,
+                         lambda: _ModelCalls(model, sizes, self.place.mesh))
+    updates = shared_calls(("optimizer", optimizer, cfg.grad_clip_norm, model, self.place.mesh), model.cfg,
+                           lambda: _OptimizerCalls(optimizer, cfg.grad_clip_norm, sizes, self.place.mesh))
     model = calls.model  # without remat: per-layer remat inside a recomputed group would recompute twice
     self.model, self.optimizer, self.cfg = model, optimizer, cfg
     # Both hold weak references: a state the caller drops (for a restored one, say) is freed at once, not kept alive

@@ -52,7 +52,9 @@ def init_params(model, seed: int):
 
 
 @functools.cache
-def _optimizer_step(optimizer, clip: float):
+def optimizer_step(optimizer, clip: float = 0.0):
+  """(init, step) of `optimizer` (clipped to a global norm of `clip`, if > 0), jitted once per optimizer object:
+  step(grads, opt_state, params) -> (params, opt_state)."""
   tx = optax.chain(optax.clip_by_global_norm(clip), optimizer) if clip else optimizer
 
   def step(grads, opt_state, params):
@@ -66,7 +68,7 @@ def reference_steps(model, optimizer, clip, params, batches):
   """Plain full-batch training: jax.grad over the whole model, then optax, each jitted. Op by op, the optimizer
   compiled a kernel per operation and leaf shape: 150 for AdamW on a tiny model, 4 s of CPU per model where the
   jitted update takes 1 (and a new optimizer or clipping norm of a known model a few tenths)."""
-  init, step = _optimizer_step(optimizer, clip)
+  init, step = optimizer_step(optimizer, clip)
   opt_state = init(params)
   losses = []
   for batch in batches:

@@ -27,7 +27,7 @@ from sljax.mesh import make_mesh
 from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
 from sljax.sizes import model_sizes
 
-from helpers import benchmark_smoke, flat, has_provenance, in_layer_groups, make_batch, rel_error
+from helpers import benchmark_smoke, flat, has_provenance, in_layer_groups, make_batch, optimizer_step, rel_error
 
 SHAPES = {  # few shapes, so examples reuse compiled calls; values, placement, rank scale and optimizer vary freely
     "llama": dict(family="llama", num_heads=4, num_kv_heads=2, hidden_size=32, intermediate_size=40, num_layers=4),
@@ -44,6 +44,7 @@ def _model(family: str, rank: int, dtype: str = "float32", num_layers: int | Non
   return LoraModel(base, LoraConfig(rank=rank, alpha=2.0 * rank, targets=TARGETS[family], base_bits=base_bits))
 
 
+@functools.cache  # one object per optimizer: its engines and reference steps share their compiled updates
 def _optimizer(name: str, clip: float):
   # sgd at 0.1: at 1.0 the second step's tiny gradients (at a point one large step away) differ by fp32 rounding
   # alone, by up to 5e-5 relative, even with one sub-batch, where the engine computes exactly the plain step's math.
@@ -51,6 +52,13 @@ def _optimizer(name: str, clip: float):
   return optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
 
 
+@functools.cache
+def _init_base(model):
+  """The base model's init, jitted once per model."""
+  return jax.jit(model.base.init)
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def _random_adapters(model, base_layers, seed):
   """Adapters with both factors random (a fresh lora_b is zero, which would leave lora_a's gradient zero)."""
   adapters = model.init_adapters(jax.random.key(seed), base_layers)
@@ -68,11 +76,11 @@ def _value_and_grad(model):
 def _reference(model, optimizer, base, adapters, batches):
   """Plain training of the adapters: jax.grad of the whole model's loss, then optax, on the full batch. Returns the
   steps' losses, the adapters after them and the gradient of each step."""
-  opt_state, losses, gradients = optimizer.init(adapters), [], []
+  init, update = optimizer_step(optimizer)
+  opt_state, losses, gradients = init(adapters), [], []
   for batch in batches:
     loss, grads = _value_and_grad(model)(adapters, base, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, adapters)
-    adapters = optax.apply_updates(adapters, updates)
+    adapters, opt_state = update(grads, opt_state, adapters)
     losses.append(float(loss))
     gradients.append(grads)
   return losses, adapters, gradients
@@ -103,7 +111,7 @@ def test_engine_lora_steps_equal_plain_lora_steps_and_leave_the_base_alone(case)
   model = _model(family, rank=4)
   optimizer = _optimizer(optimizer_name, clip)
   rng = np.random.default_rng(seed)
-  base_model_params = model.base.init(jax.random.key(seed))
+  base_model_params = _init_base(model)(jax.random.key(seed))
   engine = LoraEngine(model, optimizer, cfg)
   engine.load_base(base_model_params)
   base = engine.base_params()
@@ -145,7 +153,7 @@ def test_steps_on_a_quantized_base_equal_plain_lora_steps_on_the_dequantized_bas
   with a residual-keeping tail too."""
   model, plain = _model("llama", rank=4, base_bits=bits), _model("llama", rank=4)
   optimizer = _optimizer("adamw", 0.05)
-  params = model.base.init(jax.random.key(bits))
+  params = _init_base(model)(jax.random.key(bits))
   engine = LoraEngine(model, optimizer, cfg)
   engine.load_base(params)
   base = engine.base_params()
@@ -199,7 +207,7 @@ def test_lora_steps_over_a_data_mesh_are_one_devices_and_the_plain_steps(bits, o
   far from the whole batch's."""
   model, plain = _model("llama", rank=4, base_bits=bits), _model("llama", rank=4)
   optimizer, cfg = _optimizer(optimizer_name, clip), LoraEngineConfig(sub_batches=2, resident_layers=3, tail_layers=2)
-  params = model.base.init(jax.random.key(bits))
+  params = _init_base(model)(jax.random.key(bits))
   rng = np.random.default_rng(bits)
   batches = [make_batch(rng, 8, 8) for _ in range(2)]
   runs, compiles = {}, []
@@ -350,7 +358,7 @@ def test_a_tail_layer_on_an_int4_base_keeps_no_more_residuals_than_on_the_bf16_o
     base = jax.eval_shape(lambda layers: held_base(model, layers), shapes)
     stack = jax.eval_shape(model.init_adapters, jax.random.key(0), shapes)
     x = jax.ShapeDtypeStruct((2, 16, model.cfg.hidden_size), jnp.bfloat16)
-    residuals = jax.eval_shape(lambda b, s, x: engine._tail_forward_fn(b, s, jnp.int32(0), jnp.int32(0), x)[1],
+    residuals = jax.eval_shape(lambda b, s, x: engine._calls._tail_forward_fn(b, s, jnp.int32(0), jnp.int32(0), x)[1],
                                base, stack, x)
     kept[bits] = tree_bytes(residuals.kept)
   assert kept[4] == kept[0]
@@ -410,7 +418,7 @@ def test_base_has_no_master_copy_and_runs_in_the_compute_dtype():
 @pytest.mark.slow
 def test_fresh_adapters_leave_the_model_exactly_the_base():
   model = _model("opt", rank=3)
-  params = model.base.init(jax.random.key(0))
+  params = _init_base(model)(jax.random.key(0))
   adapters = model.init_adapters(jax.random.key(1), params["layers"])
   h = jax.random.normal(jax.random.key(2), (2, 5, SHAPES["opt"]["hidden_size"]))
   np.testing.assert_array_equal(model.layers(join_adapters(params["layers"], adapters), h),
@@ -420,7 +428,7 @@ def test_fresh_adapters_leave_the_model_exactly_the_base():
 @pytest.mark.slow
 def test_merged_adapters_are_the_same_model():
   model = _model("llama", rank=4)
-  params = model.base.init(jax.random.key(0))
+  params = _init_base(model)(jax.random.key(0))
   layers = join_adapters(params["layers"], _random_adapters(model, params["layers"], 3))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 7)), jnp.int32)
   with_adapters = model.base.logits(params["outer"], model.layers(layers, model.embed(params["outer"], tokens)))
@@ -451,7 +459,7 @@ def test_merged_weights_read_group_by_group_are_the_merged_params():
 
 def test_targets_name_the_adapted_projections():
   model = _model("llama", rank=2)
-  layers = model.base.init(jax.random.key(1))["layers"]
+  layers = _init_base(model)(jax.random.key(1))["layers"]
   adapters = model.init_adapters(jax.random.key(0), layers)
   assert sorted(adapters) == sorted(TARGETS["llama"])
   for targets in (("query",), ("q_proj", "query")):  # one unknown name is a typo, even beside known ones
@@ -470,7 +478,7 @@ def test_bad_lora_config_is_refused(field, value):
 def test_a_non_finite_step_changes_nothing():
   model = _model("opt", rank=2)
   engine = LoraEngine(model, optax.adamw(1e-2), LoraEngineConfig(sub_batches=2))
-  engine.load_base(model.base.init(jax.random.key(0)))
+  engine.load_base(_init_base(model)(jax.random.key(0)))
   state = engine.init(jax.random.key(1))
   before = engine.adapters(state)
   batch = make_batch(np.random.default_rng(0), 4, 8)
@@ -703,7 +711,7 @@ def test_eval_loss_is_the_lora_models_loss_and_changes_nothing(family, sub_batch
   model = _model(family, rank=4)
   engine = LoraEngine(model, optax.adamw(1e-2), LoraEngineConfig(sub_batches=sub_batches, live_layers=live_layers,
                                                                  resident_layers=resident_layers))
-  engine.load_base(model.base.init(jax.random.key(0)))
+  engine.load_base(_init_base(model)(jax.random.key(0)))
   base = engine.base_params()
   adapters = _random_adapters(model, base["layers"], 1)
   rng = np.random.default_rng(2)

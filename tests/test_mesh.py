@@ -36,6 +36,7 @@ P = jax.sharding.PartitionSpec
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
 
 
+@functools.cache  # one object per shape: the engines of a model share their compiled calls
 def tiny_model(dtype="float32", hidden=16, family="llama"):
   return build(get_config("llama-tiny", dict(family=family, num_layers=2, hidden_size=hidden, intermediate_size=24,
                                              num_heads=2, num_kv_heads=2, dtype=dtype)))
@@ -71,9 +72,9 @@ def run_engine(model, optimizer, cfg, place, params, batches):
 MESH_SHAPES = [((2, 4), "llama", 16, 2, 1), ((4, 1), "llama", 16, 2, 1), ((1, 8), "opt", 12, 1, 2)]
 
 
-@functools.cache
-def _model(family, hidden):
-  return tiny_model(hidden=hidden, family=family)
+@functools.cache  # one object per optimizer: its engines and reference steps share their compiled updates
+def _optimizer(name: str):
+  return optax.sgd(1.0) if name == "sgd" else optax.adamw(1e-3, weight_decay=0.1)
 
 
 @st.composite
@@ -90,8 +91,8 @@ def mesh_cases(draw):
 @given(mesh_cases())
 def test_sharded_step_equals_single_device_step_and_full_batch_step(case):
   (data, fsdp), cfg, model_shape, optimizer_name, seed = case
-  model = _model(*model_shape)
-  optimizer = optax.sgd(1.0) if optimizer_name == "sgd" else optax.adamw(1e-3, weight_decay=0.1)
+  model = tiny_model(hidden=model_shape[1], family=model_shape[0])
+  optimizer = _optimizer(optimizer_name)
   rng = np.random.default_rng(seed)
   params = init_params(model, seed)
   batches = [make_batch(rng, 8 * cfg.sub_batches) for _ in range(2)]

@@ -29,9 +29,17 @@ from sljax.sizes import model_sizes
 HUGE = Budget(device_bytes=1 << 50, host_bytes=1 << 50)
 
 
+# One model and optimizer object per shape and setting: the engines and plans of a model share its compiled calls
+# (sljax.schedule.shared_calls), and each new object would compile them all again.
+@functools.cache
 def tiny_model(layers, hidden):
   return build(get_config("llama-tiny", dict(num_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
                                              num_heads=2, num_kv_heads=2, dtype="bfloat16", remat=False)))
+
+
+@functools.cache
+def adamw(mu_dtype=None):
+  return optax.adamw(1e-3, mu_dtype=mu_dtype)
 
 
 def budget_keeping(model, seq, rows, fsdp, device_groups, sub_batches=0, clip=0.0, optimizer=None):
@@ -69,7 +77,7 @@ def test_planned_bytes_per_step_are_what_the_engine_moves(host, fsdp, sub_batche
   with fewer, the state they would hold in flight for their updates would hold them all on the device instead."""
   seq, rows = 8, 2 * sub_batches  # rows: one device's share
   model = tiny_model(keep + host, 16)
-  optimizer = optax.adamw(1e-3, mu_dtype=moments)
+  optimizer = adamw(moments)
   budget, groups = budget_keeping(model, seq, rows, fsdp, keep, sub_batches, clip, optimizer)
   plan = make_plan(model, seq, rows, budget, sub_batches=sub_batches, fsdp=fsdp, grad_clip_norm=clip,
                    optimizer=optimizer)
@@ -180,7 +188,7 @@ def test_the_planned_state_is_the_engines(moments):
 def test_8bit_moments_keep_more_groups_state_on_the_device():
   """Where fp32 moments keep 2 of 6 groups' state on the device, 8-bit ones keep it all, with room for a tail."""
   model = tiny_model(6, 32)
-  budget, _ = budget_keeping(model, 8, 4, 1, 2, sub_batches=2, optimizer=optax.adamw(1e-3))
+  budget, _ = budget_keeping(model, 8, 4, 1, 2, sub_batches=2, optimizer=adamw())
   fp32, int8 = (make_plan(model, 8, 4, budget, sub_batches=2, optimizer=make_optimizer(
       OptimConfig(moments_dtype=moments), clip=False)) for moments in ("float32", "int8"))
   assert fp32.engine.device_state_groups == 2 and fp32.groups == 6
@@ -313,7 +321,7 @@ def test_a_model_that_fits_with_room_to_spare_recomputes_nothing():
   assert plan.engine.tail_layers == 3 and plan.groups == 1  # one group: forward, head, backward, residuals kept
   assert plan.phases["forward"].compute_seconds == 0 and plan.device_bytes["activation stash"] == 0
   assert "the last 3 layers one group that keeps its residuals" in plan.describe()
-  assert Engine(model, optax.adamw(1e-3), plan.engine).groups == [(0, 3)]
+  assert Engine(model, adamw(), plan.engine).groups == [(0, 3)]
 
 
 @pytest.mark.slow
@@ -353,7 +361,7 @@ def _observed_steps(clip: float, observe, steps: int, prepare=lambda engine: Non
   """The tiny engine under its plan (2 of 6 groups' state on the device; resident: all 6 groups', one layer per group
   but the last, which keeps its `tail` layers' residuals; traded: `_traded_plan`), `prepare(engine)`, then `steps`
   steps with `observe()` after each of its calls and transfers. Returns the plan."""
-  model, optimizer, seq = tiny_model(6, 32), optax.adamw(1e-3), 8
+  model, optimizer, seq = tiny_model(6, 32), adamw(), 8
   if traded:
     model, optimizer, plan, seq = _traded_plan(clip)
   else:

@@ -53,7 +53,7 @@ from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 from sljax.metrics import StepFlops, step_flops
 from sljax.quant import QuantConfig, can_pack_halves, dequantize_layer, map_packed, pack_halves, quantize_layers, \
     unpack_halves
-from sljax.schedule import Residuals, check_training_batch
+from sljax.schedule import Residuals, check_training_batch, shared_calls
 from sljax.sizes import model_sizes, stacked_layer_shapes
 
 
@@ -129,68 +129,36 @@ def lora_groups(num_layers: int, cfg: LoraEngineConfig) -> tuple[list[tuple[int,
   return groups + [(head, num_layers)] * bool(cfg.tail_layers), resident + [True] * bool(cfg.tail_layers)
 
 
-class LoraEngine:
-  """Fine-tunes the adapters of `model` (a LoraModel) layer-major with `optimizer`, on one device or data parallel
-  over the devices of `placement`'s mesh (data:D; the whole base and adapters on every device).
+class _LoraModelCalls:
+  """An engine's jitted calls of its model (run without remat) on a mesh. Per-sub-batch calls see a group's base, the
+  whole adapter stack with the group's first layer, and this device's rows; outputs are rows or per-device slots (the
+  loss's part and the adapters' gradient accumulators, summed over the mesh by Placement.reduce)."""
 
-    engine = LoraEngine(LoraModel(model, LoraConfig(rank=16)), optax.adamw(1e-4), LoraEngineConfig(...))
-    engine.load_base(base_params)           # or init_base(key): {"outer", "layers"} of the base model, or a reader
-    state = engine.init(key)                 # the adapters, their optimizer state, the step
-    state, loss = engine.step(state, batch)  # consumes state
-  """
-
-  skips_bad_steps = True
-
-  def __init__(self, model: LoraModel, optimizer: optax.GradientTransformation, cfg: LoraEngineConfig,
-               placement: Placement | None = None):
+  def __init__(self, model: LoraModel, mesh):
     if getattr(model.cfg, "remat", False):
       model = model.without_remat()  # each group's backward already recomputes it
-    num_layers = model.cfg.num_layers
-    if cfg.sub_batches < 1 or cfg.live_layers < 1:
-      raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
-    if not 0 <= cfg.resident_layers <= num_layers:
-      raise ValueError(f"resident_layers must be in 0..{num_layers}, got {cfg.resident_layers}")
-    if not 0 <= cfg.tail_layers <= cfg.resident_layers:
-      raise ValueError(f"tail_layers must be in 0..resident_layers ({cfg.resident_layers}): the tail stays on the "
-                       f"device; got {cfg.tail_layers}")
-    self.model, self.optimizer, self.cfg = model, optimizer, cfg
-    self.place = placement or Placement.single()
-    if self.place.fsdp != 1:
-      raise ValueError(f"LoRA fine-tuning runs data parallel, the whole base and adapters on every device; the "
-                       f"placement's mesh splits weights over fsdp:{self.place.fsdp}")
-    self.groups, self.resident = lora_groups(num_layers, cfg)
-    # Each group's first layer, on the device once (replicated): the calls take it as an argument, not a constant.
-    self._starts = self.place.to_device([np.int32(start) for start, _ in self.groups])
-    self.base = None  # {"outer": on the device, "groups": [group g's base layers, on the device or pinned host]}
-    # Per-sub-batch calls see a group's base, the whole adapter stack with the group's first layer, and this device's
-    # rows; outputs are rows or per-device slots (the loss's part and the adapters' gradient accumulators, summed over
-    # the mesh by Placement.reduce).
-    local, whole, rows = self.place.local, REPLICATED, PER_DEVICE
-    self._embed = local(model.embed, (whole, rows), rows)
-    self._forward = local(self._forward_fn, (whole, whole, whole, rows), rows)
+    self.model = model
+    place = Placement(mesh)
+    local, whole, rows = place.local, REPLICATED, PER_DEVICE
+    self.embed = local(model.embed, (whole, rows), rows)
+    self.forward = local(self._forward_fn, (whole, whole, whole, rows), rows)
     # The last group, one layer a call (as sljax.schedule's engine runs it: no call's scratch grows with the tail):
     # (base, stack, start, layer, x) -> (y, the layer's residuals); (outer, h, targets, weights, inv_total) -> (loss,
     # dh); (base, stack, start, layer, residuals, dy, grads) -> (dx, grads). layer: within the group.
-    self._tail_forward = local(self._tail_forward_fn, (whole, whole, whole, whole, rows), rows, donate=(4,))
-    self._head = local(self._head_fn, (whole, rows, rows, rows, whole), rows, donate=(1,))
-    self._tail_backward = local(self._tail_backward_fn, (whole, whole, whole, whole, rows, rows, rows), rows,
-                                donate=(5, 6))
-    start, stop = self.groups[-1]
-    self._layer_indices = self.place.to_device([np.int32(i) for i in range(stop - start)])
-    self._backward = local(self._backward_fn, (whole, whole, whole, rows, rows, rows), rows, donate=(3, 5))
-    self._last_group_loss = local(self._last_group_loss_fn, (whole, whole, whole, whole, rows, rows, rows, whole),
-                                  rows)
-    # Laid out as the state it replaces (replicated), so that the next step compiles nothing.
-    self._update = jax.jit(self._update_fn, donate_argnums=(0, 1), out_shardings=self.place.device())
-    self._zeros = self.place.zero_slots
+    self.tail_forward = local(self._tail_forward_fn, (whole, whole, whole, whole, rows), rows, donate=(4,))
+    self.head = local(self._head_fn, (whole, rows, rows, rows, whole), rows, donate=(1,))
+    self.tail_backward = local(self._tail_backward_fn, (whole, whole, whole, whole, rows, rows, rows), rows,
+                               donate=(5, 6))
+    self.backward = local(self._backward_fn, (whole, whole, whole, rows, rows, rows), rows, donate=(3, 5))
+    self.last_group_loss = local(self._last_group_loss_fn, (whole, whole, whole, whole, rows, rows, rows, whole),
+                                 rows)
     # The base is made whole on every device of the mesh (no process places another's devices' parts).
-    whole_on_devices = self.place.device()
-    self._hold = jax.jit(lambda stacked: held_base(model, stacked), out_shardings=whole_on_devices)
-    self._init_base_layers = jax.jit(lambda keys: held_base(model, model.base.init_layers(keys)),
-                                     out_shardings=whole_on_devices)
-    self._init_outer = jax.jit(model.base.init_outer, out_shardings=whole_on_devices)
-
-  # ---- jitted pieces -------------------------------------------------------------------------------------------
+    whole_on_devices = place.device()
+    self.hold = jax.jit(lambda stacked: held_base(model, stacked), out_shardings=whole_on_devices)
+    self.init_base_layers = jax.jit(lambda keys: held_base(model, model.base.init_layers(keys)),
+                                    out_shardings=whole_on_devices)
+    self.init_outer = jax.jit(model.base.init_outer, out_shardings=whole_on_devices)
+    self.init_adapters = jax.jit(model.init_adapters)
 
   def _layers(self, base, adapters, x):
     """A group's layers: its base and its adapters (sliced from the stack)."""
@@ -218,6 +186,83 @@ class LoraEngine:
     d_adapters, dx = residuals.vjp(base, adapters)(dy)
     return dx, add_group(grads, d_adapters, start + layer)
 
+  def _last_group_loss_fn(self, base, stack, start, outer, x, targets, weights, inv_total):
+    h = self._layers(base, group_layers(stack, start, _layer_count(base)), x)
+    return (self.model.head_loss(outer, h, targets, weights) * inv_total)[None]  # this device's rows' part
+
+  def _backward_fn(self, base, stack, start, x, dy, grads):
+    adapters = group_layers(stack, start, _layer_count(base))
+    _, vjp = jax.vjp(lambda adapters, x: self._layers(base, adapters, x), adapters, x)
+    d_adapters, dx = vjp(dy)
+    return dx, add_group(grads, d_adapters, start)
+
+
+class _LoraOptimizerCalls:
+  """An engine's jitted optimizer calls on a mesh: the update of every adapter at once, and its state's init."""
+
+  def __init__(self, optimizer: optax.GradientTransformation, mesh):
+    self.optimizer = optimizer
+    place = Placement(mesh)
+    # Laid out as the state it replaces (replicated), so that the next step compiles nothing.
+    self.update = jax.jit(self._update_fn, donate_argnums=(0, 1), out_shardings=place.device())
+    # Laid out as the step's outputs are (the optimizer's counters too, which a plain jit would leave unplaced):
+    # otherwise the second step compiles the update again.
+    self.init = jax.jit(optimizer.init, out_shardings=place.device())
+
+  def _update_fn(self, adapters, opt_state, grads, loss):
+    """The optimizer's update of every adapter, or (a non-finite loss or gradient) the state unchanged."""
+    ok = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
+    updates, new_opt_state = self.optimizer.update(grads, opt_state, adapters)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    return keep(optax.apply_updates(adapters, updates), adapters), keep(new_opt_state, opt_state), ok
+
+
+class LoraEngine:
+  """Fine-tunes the adapters of `model` (a LoraModel) layer-major with `optimizer`, on one device or data parallel
+  over the devices of `placement`'s mesh (data:D; the whole base and adapters on every device).
+
+    engine = LoraEngine(LoraModel(model, LoraConfig(rank=16)), optax.adamw(1e-4), LoraEngineConfig(...))
+    engine.load_base(base_params)           # or init_base(key): {"outer", "layers"} of the base model, or a reader
+    state = engine.init(key)                 # the adapters, their optimizer state, the step
+    state, loss = engine.step(state, batch)  # consumes state
+  """
+
+  skips_bad_steps = True
+
+  def __init__(self, model: LoraModel, optimizer: optax.GradientTransformation, cfg: LoraEngineConfig,
+               placement: Placement | None = None):
+    num_layers = model.cfg.num_layers
+    if cfg.sub_batches < 1 or cfg.live_layers < 1:
+      raise ValueError(f"sub_batches and live_layers must be >= 1, got {cfg.sub_batches} and {cfg.live_layers}")
+    if not 0 <= cfg.resident_layers <= num_layers:
+      raise ValueError(f"resident_layers must be in 0..{num_layers}, got {cfg.resident_layers}")
+    if not 0 <= cfg.tail_layers <= cfg.resident_layers:
+      raise ValueError(f"tail_layers must be in 0..resident_layers ({cfg.resident_layers}): the tail stays on the "
+                       f"device; got {cfg.tail_layers}")
+    self.place = placement or Placement.single()
+    if self.place.fsdp != 1:
+      raise ValueError(f"LoRA fine-tuning runs data parallel, the whole base and adapters on every device; the "
+                       f"placement's mesh splits weights over fsdp:{self.place.fsdp}")
+    # The jitted calls of this model object on this mesh (and of this optimizer), shared by all its engines (as
+    # sljax.schedule's engines share theirs): another split or placement, or the planner sizing the calls, traces and
+    # compiles none of them again.
+    mesh = self.place.mesh
+    self._calls = calls = shared_calls(("lora model", model, mesh), model.cfg, lambda: _LoraModelCalls(model, mesh))
+    updates = shared_calls(("lora optimizer", optimizer, mesh), None, lambda: _LoraOptimizerCalls(optimizer, mesh))
+    self.model, self.optimizer, self.cfg = calls.model, optimizer, cfg  # the model without remat
+    self.groups, self.resident = lora_groups(num_layers, cfg)
+    # Each group's first layer, on the device once (replicated): the calls take it as an argument, not a constant.
+    self._starts = self.place.to_device([np.int32(start) for start, _ in self.groups])
+    self.base = None  # {"outer": on the device, "groups": [group g's base layers, on the device or pinned host]}
+    (self._embed, self._forward, self._tail_forward, self._head, self._tail_backward, self._backward,
+     self._last_group_loss, self._hold, self._init_base_layers, self._init_outer, self._init_adapters) = (
+        calls.embed, calls.forward, calls.tail_forward, calls.head, calls.tail_backward, calls.backward,
+        calls.last_group_loss, calls.hold, calls.init_base_layers, calls.init_outer, calls.init_adapters)
+    self._update, self._init_opt = updates.update, updates.init
+    start, stop = self.groups[-1]
+    self._layer_indices = self.place.to_device([np.int32(i) for i in range(stop - start)])
+    self._zeros = self.place.zero_slots
+
   def _last_group(self, base, stack, start, outer, x, targets, weights, inv_total, grads):
     """One sub-batch through the last group, the head and back (LoraCalls.last_group): a call per layer forward,
     keeping each layer's residuals, the head's call, a call per layer backward, freeing them."""
@@ -229,23 +274,6 @@ class LoraEngine:
     for layer in reversed(self._layer_indices):
       dy, grads = self._tail_backward(base, stack, start, layer, kept.pop(), dy, grads)
     return loss, dy, grads
-
-  def _last_group_loss_fn(self, base, stack, start, outer, x, targets, weights, inv_total):
-    h = self._layers(base, group_layers(stack, start, _layer_count(base)), x)
-    return (self.model.head_loss(outer, h, targets, weights) * inv_total)[None]  # this device's rows' part
-
-  def _backward_fn(self, base, stack, start, x, dy, grads):
-    adapters = group_layers(stack, start, _layer_count(base))
-    _, vjp = jax.vjp(lambda adapters, x: self._layers(base, adapters, x), adapters, x)
-    d_adapters, dx = vjp(dy)
-    return dx, add_group(grads, d_adapters, start)
-
-  def _update_fn(self, adapters, opt_state, grads, loss):
-    """The optimizer's update of every adapter, or (a non-finite loss or gradient) the state unchanged."""
-    ok = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
-    updates, new_opt_state = self.optimizer.update(grads, opt_state, adapters)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    return keep(optax.apply_updates(adapters, updates), adapters), keep(new_opt_state, opt_state), ok
 
   @property
   def calls(self) -> "LoraCalls":
@@ -290,17 +318,15 @@ class LoraEngine:
 
   def init(self, key: jax.Array) -> dict:
     """Fresh adapters (LoraModel.init_adapters: the model starts as the base), their optimizer state, step 0."""
-    adapters = jax.jit(self.model.init_adapters)(key, stacked_layer_shapes(self.model.base, self.model.cfg.num_layers))
+    adapters = self._init_adapters(key, stacked_layer_shapes(self.model.base, self.model.cfg.num_layers))
     return self.from_adapters(adapters)
 
   def from_adapters(self, adapters) -> dict:
     """State from adapters stacked over all layers (as LoraModel's params hold them, and as the state does)."""
     # Copied: the step donates the state, not the caller's arrays.
     adapters = self.place.to_device(jax.tree.map(lambda x: jnp.array(x, jnp.float32), adapters))
-    # Laid out as the step's outputs are (the optimizer's counters too, which a plain jit would leave unplaced):
-    # otherwise the second step compiles the update again.
     return {"step": self.place.to_device(np.zeros((), np.int32)), "adapters": adapters,
-            "opt": jax.jit(self.optimizer.init, out_shardings=self.place.device())(adapters)}
+            "opt": self._init_opt(adapters)}
 
   def adapters(self, state: dict) -> dict:
     """The adapters stacked over all layers, numpy."""
