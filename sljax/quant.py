@@ -83,9 +83,8 @@ def dequantize_layer(stacked: dict, layer, dtype) -> dict:
   dequantize_layers(the layer's slice) gives, bit for bit, except that the GPU's kernel reads the bytes layout's codes
   in place in the stack (a slice before a custom call is a copy: 0.43 GB per llama70b layer)."""
   def one(node):
-    if is_packed(node) and "halves" in node and _kernel_cols(node):
-      return _dequantize_halves_pallas(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], _kernel_cols(node),
-                                       layer=layer)
+    if is_packed(node) and "halves" in node and (cols := _kernel_cols(node)):
+      return _dequantize_halves_pallas(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], cols, layer=layer)
     sliced = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1), node)
     return dequantize_kernel(sliced, dtype) if is_packed(node) else sliced
   return jax.tree.map(one, stacked, is_leaf=is_packed)
