@@ -1,4 +1,15 @@
-"""LLaMA-2 in Flax: RMSNorm, rotary embeddings (Hugging Face convention), grouped-query attention, SwiGLU."""
+"""LLaMA-2 in Flax: RMSNorm, rotary embeddings (Hugging Face convention), grouped-query attention, SwiGLU.
+
+Without per-layer remat (cfg.remat false: the engines, whose tails keep each layer's residuals), the norms, SwiGLU's
+product and the reshapes before the output and down projections are recomputed in the backward from what the matmuls
+and the attention keep anyway: left to autodiff, a layer keeps each norm's input in fp32 and its unscaled output
+besides, SwiGLU's sigmoid, silu and product, and the attention's output twice. For one row of 2048 tokens at
+llama70b's widths (with LoRA adapters) that is 0.95 GiB a layer, against 0.42 GiB so (tests/test_models.py counts
+them). The values are the same; a backward reruns a few elementwise ops. With remat the whole layer is recomputed
+anyway, and the layer is left as it was.
+"""
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -10,17 +21,30 @@ from models.config import ModelConfig
 _init = nn.initializers.normal(0.02)
 
 
+def _recomputed(fn, recompute: bool):
+  return jax.checkpoint(fn) if recompute else fn
+
+
 class RMSNorm(nn.Module):
   eps: float
   dtype: str
   param_dtype: str
+  recompute: bool = False  # in the backward, from x (see the module docstring)
 
   @nn.compact
   def __call__(self, x):
     weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return weight.astype(self.dtype) * normed.astype(self.dtype)
+    return _recomputed(functools.partial(rms_norm, eps=self.eps, dtype=self.dtype), self.recompute)(x, weight)
+
+
+def rms_norm(x, weight, eps: float, dtype):
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(dtype) * normed.astype(dtype)
+
+
+def swiglu(gate_BxSxF, up_BxSxF):
+  return nn.silu(gate_BxSxF) * up_BxSxF
 
 
 def rotary(x_BxSxNxH: jax.Array, theta: float, positions_BxS: jax.Array | None = None) -> jax.Array:
@@ -47,7 +71,7 @@ class LlamaBlock(nn.Module):
     cfg = self.cfg
     dense = lambda features, name: nn.Dense(
         features, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=_init, name=name)
-    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name=name)
+    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, recompute=not cfg.remat, name=name)
     batch, seq, _ = x_BxSxD.shape
     n, k, h = cfg.num_heads, cfg.kv_heads, cfg.head_dim
 
@@ -61,12 +85,15 @@ class LlamaBlock(nn.Module):
       att_BxSxNxH = attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cfg)
     else:
       att_BxSxNxH, cache = cached_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cache)
-    x_BxSxD = x_BxSxD + dense(cfg.hidden_size, "o_proj")(att_BxSxNxH.reshape(batch, seq, n * h))
+    # Recomputed (no remat): the backward keeps the attention's output once, for the attention's backward and this.
+    out = lambda block, att_BxSxNxH: dense(cfg.hidden_size, "o_proj")(att_BxSxNxH.reshape(batch, seq, n * h))
+    x_BxSxD = x_BxSxD + (out if cfg.remat else nn.remat(out))(self, att_BxSxNxH)
 
     y_BxSxD = norm("post_attention_layernorm")(x_BxSxD)
-    gate_BxSxF = nn.silu(dense(cfg.intermediate_size, "gate_proj")(y_BxSxD))
+    gate_BxSxF = dense(cfg.intermediate_size, "gate_proj")(y_BxSxD)
     up_BxSxF = dense(cfg.intermediate_size, "up_proj")(y_BxSxD)
-    x_BxSxD = x_BxSxD + dense(cfg.hidden_size, "down_proj")(gate_BxSxF * up_BxSxF)
+    down = lambda block, gate_BxSxF, up_BxSxF: dense(cfg.hidden_size, "down_proj")(swiglu(gate_BxSxF, up_BxSxF))
+    x_BxSxD = x_BxSxD + (down if cfg.remat else nn.remat(down))(self, gate_BxSxF, up_BxSxF)
     return x_BxSxD if cache is None else (x_BxSxD, cache)
 
 

@@ -151,6 +151,10 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
            # master; the optimizer state and its new value
            "adapters (master, grads, optimizer, update)":
                3 * tree_bytes(adapters) + 2 * tree_bytes(jax.eval_shape(optimizer.init, adapters))}
+  # One layer's dequantize: its codes and scales read, its kernels written in the compute dtype, at the device
+  # memory's rate (a lower bound: GPU kernels of this shape reach about half of it).
+  dequantize = (layer + jnp.dtype(model.cfg.dtype).itemsize * sizes.layer_params) / machine.memory_bytes_per_s * bool(
+      model.lora.base_bits)
   if tail_layers is not None and not 0 <= tail_layers <= layers:
     raise ValueError(f"tail_layers must be in 0..{layers} (the model's layers), got {tail_layers}")
 
@@ -169,6 +173,9 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
     # streamed layer in, the stash crosses once each way.
     forward = rows * seq_len * 2 * sizes.layer_params * layers / (machine.peak_flops * machine.layer_efficiency)
     backward = forward * (2 * layers - last_layers) / layers
+    # A compressed base is dequantized by every sub-batch's call of each layer, once a pass: fewer, larger sub-batches
+    # dequantize less.
+    forward, backward = forward + n * layers * dequantize, backward + n * layers * dequantize
     plans = []
     for on_host in (False, True):
       device = dict(fixed, **{"activations in flight": 3 * n * act, SCRATCH: scratch,
@@ -246,14 +253,18 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
   if sub_batches or best.engine.resident_layers < layers or best_tail.last_layers == layers:
     return best_tail
   # With the whole base on the device, more sub-batches of fewer rows keep a longer tail (it holds one sub-batch's
-  # residuals per layer), so fewer layers are recomputed. The split into the most sub-batches of MIN_TAIL_CALL_TOKENS
-  # a call at least is tried beside the one above (the splits between them have shorter tails, and each tail search
-  # lowers several calls), and the one whose step computes less is kept.
-  rows, plans = best.rows // devices, [best_tail]
-  most = max((n for n in range(1, rows + 1) if rows % n == 0 and rows // n * seq_len >= MIN_TAIL_CALL_TOKENS),
-             default=best.engine.sub_batches)
-  if most > best.engine.sub_batches:
-    plan = layout(rows, most, 0)
-    if plan is not None and plan.engine.resident_layers == layers:
-      plans.append(longest_tail(plan))
+  # residuals per layer), so fewer layers are recomputed, but a compressed base is dequantized once more per layer and
+  # sub-batch. The splits into more sub-batches of MIN_TAIL_CALL_TOKENS a call at least are tried beside the one
+  # above, from the most sub-batches down for as long as each keeps the whole model as its tail (fewer then keep a
+  # shorter one, and each tail search lowers several calls); the one whose step computes least is kept.
+  plans = [best_tail]
+  splits = [n for n in range(best.engine.sub_batches + 1, best.rows + 1)
+            if best.rows % n == 0 and best.rows // n * seq_len >= MIN_TAIL_CALL_TOKENS]
+  for n in reversed(splits):
+    plan = layout(best.rows, n, 0)
+    if plan is None or plan.engine.resident_layers < layers:
+      continue
+    plans.append(longest_tail(plan))
+    if plans[-1].last_layers < layers:
+      break
   return min(plans, key=lambda plan: sum(phase.compute_seconds for phase in plan.phases.values()))
