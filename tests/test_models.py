@@ -135,9 +135,9 @@ def test_llama_layer_keeps_its_matmuls_activations_and_no_norm_or_gating_interna
   wide = [a for a in kept if a.shape[-1] == cfg.intermediate_size]
   assert len(wide) == 2 and all(a.dtype == jnp.bfloat16 for a in wide)
   assert not [a for a in kept if a.dtype == jnp.float32 and a.shape[-2:] == h_BxSxD.shape[-2:]]
-  # [B, S, D]: the layer's input, the attention's residual sum, each norm's output (the attention's output is kept
-  # once, as it left the attention)
-  assert len([a for a in kept if a.shape[-1] == cfg.hidden_size]) == 4
+  # [B, S, D] (with the layers' axis): the layer's input, the attention's residual sum, each norm's output (the
+  # attention's output is kept once, as it left the attention)
+  assert len([a for a in kept if a.shape[-1] == cfg.hidden_size and a.ndim == 4]) == 4
 
   grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(layer, h_BxSxD)
   monkeypatch.setattr(jax, "checkpoint", lambda fn, **_: fn)  # autodiff keeps what it likes
