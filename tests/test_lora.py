@@ -383,6 +383,28 @@ def test_a_plan_with_the_whole_base_resident_splits_the_batch_where_a_longer_tai
   assert plan_lora(model, 8, budget, batch=4, sub_batches=1).engine.tail_layers == one.engine.tail_layers
 
 
+def test_a_plan_on_a_compressed_base_takes_the_fewest_sub_batches_that_keep_the_whole_model_as_tail(monkeypatch):
+  """Every sub-batch's call dequantizes its layer again, forward and backward, so the step's compute counts
+  2 x sub-batches x layers dequantizes (a layer's codes read and its kernels written at the memory's rate); between
+  splits whose tails hold every layer, the one with the fewest sub-batches computes least and is taken (rows of 512
+  tokens: the tiny layers' matmuls outweigh their dequantizes there, as llama70b's do at 2048)."""
+  from sljax.lora import plan as lora_plan
+  monkeypatch.setattr(lora_plan, "MIN_TAIL_CALL_TOKENS", 512)  # a row a call
+  model, seq = _model("llama", rank=2, num_layers=8, base_bits=4), 512
+  fixed = {n: plan_lora(model, seq, Budget(GIB, GIB), batch=4, sub_batches=n) for n in (1, 2, 4)}
+  assert all(plan.engine.tail_layers == 8 for plan in fixed.values())
+  machine, layers = fixed[1].machine, 8
+  written = jnp.dtype(model.cfg.dtype).itemsize * model_sizes(model.base).layer_params  # the kernels, dequantized
+  dequantize = (held_layer_bytes(model) + written) / machine.memory_bytes_per_s
+  for n in (2, 4):
+    assert fixed[n].phases["forward"].compute_seconds - fixed[1].phases["forward"].compute_seconds == pytest.approx(
+        (n - 1) * layers * dequantize)
+  device = lambda plan: plan.footprint.device_bytes
+  assert device(fixed[1]) > device(fixed[2])
+  chosen = plan_lora(model, seq, Budget(device(fixed[2]), GIB), batch=4)
+  assert (chosen.engine.sub_batches, chosen.engine.tail_layers) == (2, 8)
+
+
 @pytest.mark.slow
 def test_lora_on_an_int4_base_fine_tunes_as_on_the_bf16_one(tmp_path):
   """benchmarks/qlora_quality.py's smoke: a tiny model pretrained 30 steps, then LoRA fine-tuned 10 steps on its bf16
