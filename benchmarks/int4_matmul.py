@@ -18,7 +18,9 @@ one llama70b layer dequantized as generation's prompt pass does it (sljax.quant.
 the layer in one jitted call), from native int4 and from the uint8 layout, beside the sum of its kernels' own calls:
 does one call for the whole layer cost what its kernels cost alone? And the LoRA engine's layout of the same codes
 (sljax.quant.pack_halves: a byte holds column j's code and column j + out/2's), dequantized by dequantize_layers (on a
-GPU, one Pallas kernel) and by XLA's unpacking, each checked bit for bit against the native array's.
+GPU, one Pallas kernel) and by XLA's unpacking, each checked bit for bit against the native array's; and that kernel
+at other block shapes (`halves_blocks`, --halves_blocks; the one in use is `halves_block_now`), read in place from a
+stack of layers as the LoRA tail's calls read it.
 """
 
 import statistics
@@ -32,13 +34,17 @@ from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, write_
 from models.presets import build, get_config
 from sljax.machines import configure_process
 from sljax.memory import tree_bytes
-from sljax.quant import CODES, QuantConfig, dequantize_kernel, dequantize_layer, dequantize_layers, is_packed, \
-    map_packed, pack_halves, quantize_kernel, quantize_layers, unpack_halves
+from sljax.quant import CODES, HALVES_BLOCK, QuantConfig, dequantize_halves_kernel, dequantize_kernel, dequantize_layer, \
+    dequantize_layers, is_packed, map_packed, pack_halves, quantize_kernel, quantize_layers, unpack_halves
 
 define_flags("Tiny kernels on CPU: checks every variant runs and agrees.")
 flags.DEFINE_list("rows", ["32", "256"], "Tokens per call (a decode step's rows).")
 flags.DEFINE_integer("repeats", 20, "Timed calls per variant (after one warm-up call).")
 flags.DEFINE_integer("group_size", 128, "Rows of the contraction axis sharing a scale.")
+flags.DEFINE_list("halves_blocks", ["32x256", "32x256x8", "64x256", "64x512", "128x256", "32x512", "32x1024",
+                                    "64x1024x8", "128x512x8", "16x256"],
+                  "Block shapes ROWSxCOLS[xWARPS] of dequantize_halves' GPU kernel to time on one llama70b layer read "
+                  "in place from a stack (the LoRA tail's call), each checked bit for bit; a GPU only.")
 FLAGS = flags.FLAGS
 LLAMA70B_KERNELS = {"q_proj": (8192, 8192), "up_proj": (8192, 28672), "down_proj": (28672, 8192)}
 SMOKE_KERNELS = {"up_proj": (64, 128)}
@@ -149,10 +155,34 @@ def whole_layer(smoke: bool) -> dict:
   ms["stack_layer_sliced"] = timed_ms(lambda t: sliced(t, index), stack)
   want = dequantize(native)
   same = lambda got: all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
+  blocks = halves_blocks(stack, index, same, interpret=jax.devices()[0].platform != "gpu")
   return {"kernels": len(kernels), "codes_bytes": sum(tree_bytes(k["codes"]) for k in kernels), "ms": ms,
+          "halves_blocks": blocks, "halves_block_now": "x".join(map(str, HALVES_BLOCK)),
           "halves_bit_equal": {"one_call_halves": same(dequantize(halves)), "one_call_halves_xla": same(xla(halves)),
                                "stack_layer_in_place": same(in_place(stack, index)),
                                "stack_layer_sliced": same(sliced(stack, index))}}
+
+
+def halves_blocks(stack: dict, index, same, interpret: bool) -> dict:
+  """{"ROWSxCOLS[xWARPS]": {"ms", "bit_equal"}, or None where the shape does not divide the layer's kernels} of
+  --halves_blocks: layer `index` of `stack` dequantized by the GPU kernel at that block shape, every kernel of the
+  layer in one call, as the LoRA tail's calls read it (interpret: Pallas' interpreter, off a GPU)."""
+  out = {}
+  for spec in FLAGS.halves_blocks:
+    rows, cols, *warps = (int(x) for x in spec.split("x"))
+    nodes = [node for node in jax.tree.leaves(stack, is_leaf=is_packed) if is_packed(node)]
+    fits = lambda node: (node["halves"].shape[1] % rows == 0 and node["halves"].shape[2] % cols == 0
+                         and (node["halves"].shape[1] // node["scale"].shape[1]) % rows == 0)
+    if not all(fits(node) for node in nodes):
+      out[spec] = None
+      continue
+    kernel = lambda n, i: dequantize_halves_kernel(n["halves"], n["scale"], jnp.bfloat16, rows, cols, interpret,
+                                                   layer=i, num_warps=warps[0] if warps else None)
+    call = jax.jit(lambda t, i: jax.tree.map(
+        lambda n: kernel(n, i) if is_packed(n) else jax.lax.dynamic_slice_in_dim(n, i, 1), t, is_leaf=is_packed))
+    out[spec] = {"ms": timed_ms(lambda t: call(t, index), stack), "bit_equal": same(call(stack, index))}
+    print(f"dequantize_halves {spec}: {out[spec]}", flush=True)
+  return out
 
 
 def main(argv):
@@ -160,7 +190,7 @@ def main(argv):
   configure_process()
   kernels, rows = (SMOKE_KERNELS, [4]) if FLAGS.smoke else (LLAMA70B_KERNELS, [int(r) for r in FLAGS.rows])
   if FLAGS.smoke:
-    FLAGS.repeats = 2
+    FLAGS.repeats, FLAGS.halves_blocks = 2, ["8x16", "8x16x2", "7x16"]
   results = []
   for name, shape in kernels.items():
     for r in rows:

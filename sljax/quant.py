@@ -75,7 +75,7 @@ def dequantize_halves(node: dict, dtype) -> jax.Array:
   cols = _kernel_cols(node)
   if not cols:
     return dequantize_kernel(unpack_halves(node, jnp.int8), dtype)
-  return _dequantize_halves_pallas(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], cols)
+  return dequantize_halves_kernel(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], cols)
 
 
 def dequantize_layer(stacked: dict, layer, dtype) -> dict:
@@ -84,7 +84,7 @@ def dequantize_layer(stacked: dict, layer, dtype) -> dict:
   in place in the stack (a slice before a custom call is a copy: 0.43 GB per llama70b layer)."""
   def one(node):
     if is_packed(node) and "halves" in node and (cols := _kernel_cols(node)):
-      return _dequantize_halves_pallas(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], cols, layer=layer)
+      return dequantize_halves_kernel(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], cols, layer=layer)
     sliced = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1), node)
     return dequantize_kernel(sliced, dtype) if is_packed(node) else sliced
   return jax.tree.map(one, stacked, is_leaf=is_packed)
@@ -101,9 +101,11 @@ def _kernel_cols(node: dict) -> int:
   return cols
 
 
-def _dequantize_halves_pallas(halves, scale, dtype, block_rows: int, block_cols: int, interpret: bool = False,
-                              layer=None):
-  """Every layer of the stack, or (`layer` given, may be traced) that one layer, read in place: [1, rows, out]."""
+def dequantize_halves_kernel(halves, scale, dtype, block_rows: int, block_cols: int, interpret: bool = False,
+                             layer=None, num_warps: int | None = None):
+  """dequantize_halves' GPU kernel (Pallas on Triton) with `block_rows` x `block_cols` of each half a program, on
+  `num_warps` warps (None: Triton's default): every layer of the stack, or (`layer` given, may be traced) that one
+  layer, read in place: [1, rows, out]. benchmarks/int4_matmul.py times block shapes against each other."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
 
@@ -142,7 +144,8 @@ def _dequantize_halves_pallas(halves, scale, dtype, block_rows: int, block_cols:
   out = pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((out_layers, rows, 2, half), dtype), grid=grid, in_specs=in_specs,
       out_specs=out_spec, name="dequantize_halves",  # the kernel's name in a profile
-      compiler_params=pltriton.CompilerParams(),  # Triton, as a GPU picks by default; also where it is only lowered
+      # Triton, as a GPU picks by default; also where it is only lowered
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps),
       interpret=interpret)(*args)
   return out.reshape(out_layers, rows, 2 * half)
 

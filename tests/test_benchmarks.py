@@ -122,6 +122,10 @@ def test_int4_matmul_smoke_times_every_variant_and_they_agree(tmp_path):
                                                         "stack_layer_sliced"}
   assert layer["halves_bit_equal"] == {"one_call_halves": True, "one_call_halves_xla": True,
                                        "stack_layer_in_place": True, "stack_layer_sliced": True}
+  # The GPU kernel's block shapes (Pallas' interpreter here): each that divides the kernels agrees bit for bit
+  blocks = layer["halves_blocks"]
+  assert blocks["7x16"] is None and all(blocks[spec]["bit_equal"] and blocks[spec]["ms"] > 0
+                                        for spec in ("8x16", "8x16x2"))
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from jax import export
 
 from models.presets import build, get_config
 from sljax.memory import tree_bytes
-from sljax.quant import CODES, HALVES_BLOCK, QuantConfig, _dequantize_halves_pallas, dequantize_kernel, \
+from sljax.quant import CODES, HALVES_BLOCK, QuantConfig, dequantize_halves_kernel, dequantize_kernel, \
     dequantize_layer, dequantize_layers, group_rows, map_packed, pack_halves, quantize_kernel, quantize_layers, \
     unpack_halves
 
@@ -60,10 +60,10 @@ def test_int4_codes_as_bytes_hold_the_same_bytes_and_dequantize_bit_for_bit(rows
   np.testing.assert_array_equal(np.asarray(dequantize_kernel(halves, jnp.bfloat16)), want)
   group = rows // packed["scale"].shape[1]
   if group % 8 == 0 and cols // 2 % 16 == 0:  # the GPU's kernel, interpreted, in blocks of 8 x 16
-    got = _dequantize_halves_pallas(halves["halves"], halves["scale"], jnp.bfloat16, 8, 16, interpret=True)
+    got = dequantize_halves_kernel(halves["halves"], halves["scale"], jnp.bfloat16, 8, 16, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), want)
     # One layer read in place from the stack (the LoRA tail's calls), its index traced
-    one = jax.jit(lambda layer: _dequantize_halves_pallas(halves["halves"], halves["scale"], jnp.bfloat16, 8, 16,
+    one = jax.jit(lambda layer: dequantize_halves_kernel(halves["halves"], halves["scale"], jnp.bfloat16, 8, 16,
                                                           interpret=True, layer=layer))
     for layer in range(2):
       np.testing.assert_array_equal(np.asarray(one(layer)), want[layer:layer + 1])
@@ -91,14 +91,14 @@ def test_the_gpu_kernel_for_int4_bytes_lowers_through_triton_at_a_llama70b_kerne
   kernel does not see; only the Triton call's own serialization is let through."""
   halves = jax.ShapeDtypeStruct((1, 8192, 4096), jnp.uint8)
   scale = jax.ShapeDtypeStruct((1, 64, 8192), jnp.float16)
-  call = jax.jit(lambda h, s: _dequantize_halves_pallas(h, s, jnp.bfloat16, *HALVES_BLOCK))
+  call = jax.jit(lambda h, s: dequantize_halves_kernel(h, s, jnp.bfloat16, *HALVES_BLOCK))
   triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
   lowered = export.export(call, platforms=["cuda"], disabled_checks=[triton])(halves, scale)
   assert "xla.gpu.triton" in lowered.mlir_module()
   assert lowered.out_avals[0].shape == (1, 8192, 8192) and lowered.out_avals[0].dtype == jnp.bfloat16
   # One layer of an 80-layer stack, read in place at a traced index (the LoRA tail's calls)
   stack = jax.ShapeDtypeStruct((80, 8192, 4096), jnp.uint8), jax.ShapeDtypeStruct((80, 64, 8192), jnp.float16)
-  call = jax.jit(lambda h, s, layer: _dequantize_halves_pallas(h, s, jnp.bfloat16, *HALVES_BLOCK, layer=layer))
+  call = jax.jit(lambda h, s, layer: dequantize_halves_kernel(h, s, jnp.bfloat16, *HALVES_BLOCK, layer=layer))
   lowered = export.export(call, platforms=["cuda"], disabled_checks=[triton])(
       *stack, jax.ShapeDtypeStruct((), jnp.int32))
   assert "xla.gpu.triton" in lowered.mlir_module() and lowered.out_avals[0].shape == (1, 8192, 8192)
