@@ -1,8 +1,8 @@
 """LLaMA-2 in Flax: RMSNorm, rotary embeddings (Hugging Face convention), grouped-query attention, SwiGLU.
 
 Without per-layer remat (cfg.remat false: the engines, whose tails keep each layer's residuals), the norms, SwiGLU's
-product and the reshapes before the output and down projections are recomputed in the backward from what the matmuls
-and the attention keep anyway: left to autodiff, a layer keeps each norm's input in fp32 and its unscaled output
+product (the down projection's input) and the reshape before the output projection are recomputed in the backward
+from what the matmuls and the attention keep anyway: left to autodiff, a layer keeps each norm's input in fp32 and its unscaled output
 besides, SwiGLU's sigmoid, silu and product, and the attention's output twice. For one row of 2048 tokens at
 llama70b's widths (with LoRA adapters) that is 0.95 GiB a layer, against 0.42 GiB so (tests/test_models.py counts
 them). The values are the same; a backward reruns a few elementwise ops. With remat the whole layer is recomputed
