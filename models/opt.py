@@ -1,4 +1,8 @@
-"""OPT in Flax: learned positions (offset 2), biases, ReLU MLP, pre- or post-LayerNorm, tied head."""
+"""OPT in Flax: learned positions (offset 2), biases, ReLU MLP, pre- or post-LayerNorm, tied head.
+
+Without per-layer remat, as LLaMA's layer (models/llama.py), the LayerNorms, ReLU's output (fc2's input) and the
+reshape before out_proj are recomputed in the backward from what the matmuls and the attention keep anyway.
+"""
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -19,7 +23,8 @@ class OPTBlock(nn.Module):
     cfg = self.cfg
     dense = lambda features, name: nn.Dense(
         features, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=_init, name=name)
-    norm = lambda name: nn.LayerNorm(cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
+    recomputed = (lambda fn: fn) if cfg.remat else nn.remat
+    norm = lambda name: recomputed(nn.LayerNorm)(cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
     batch, seq, _ = x_BxSxD.shape
     n, h = cfg.num_heads, cfg.head_dim
     pre, post = cfg.layer_norm_before, not cfg.layer_norm_before
@@ -32,12 +37,13 @@ class OPTBlock(nn.Module):
       att_BxSxNxH = attention(q_BxSxNxH, k_BxSxNxH, v_BxSxNxH, cfg)
     else:
       att_BxSxNxH, cache = cached_attention(q_BxSxNxH, k_BxSxNxH, v_BxSxNxH, cache)
-    x_BxSxD = x_BxSxD + dense(cfg.hidden_size, "out_proj")(att_BxSxNxH.reshape(batch, seq, n * h))
+    out = lambda block, att_BxSxNxH: dense(cfg.hidden_size, "out_proj")(att_BxSxNxH.reshape(batch, seq, n * h))
+    x_BxSxD = x_BxSxD + recomputed(out)(self, att_BxSxNxH)
     x_BxSxD = norm("self_attn_layer_norm")(x_BxSxD) if post else x_BxSxD
 
     y_BxSxD = norm("final_layer_norm")(x_BxSxD) if pre else x_BxSxD
-    y_BxSxF = nn.relu(dense(cfg.intermediate_size, "fc1")(y_BxSxD))
-    x_BxSxD = x_BxSxD + dense(cfg.hidden_size, "fc2")(y_BxSxF)
+    h_BxSxF = dense(cfg.intermediate_size, "fc1")(y_BxSxD)
+    x_BxSxD = x_BxSxD + recomputed(lambda block, h_BxSxF: dense(cfg.hidden_size, "fc2")(nn.relu(h_BxSxF)))(self, h_BxSxF)
     x_BxSxD = norm("final_layer_norm")(x_BxSxD) if post else x_BxSxD
     return x_BxSxD if cache is None else (x_BxSxD, cache)
 
