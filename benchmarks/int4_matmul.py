@@ -34,8 +34,9 @@ from benchmarks.common import GENERATION_SMOKE, define_flags, provenance, write_
 from models.presets import build, get_config
 from sljax.machines import configure_process
 from sljax.memory import tree_bytes
-from sljax.quant import CODES, HALVES_BLOCK, QuantConfig, dequantize_halves_kernel, dequantize_kernel, dequantize_layer, \
-    dequantize_layers, is_packed, map_packed, pack_halves, quantize_kernel, quantize_layers, unpack_halves
+from sljax.quant import CODES, HALVES_BLOCK, QuantConfig, dequantize_halves_kernel, dequantize_kernel, \
+    dequantize_layer, dequantize_layers, is_packed, map_packed, pack_halves, quantize_kernel, quantize_layers, \
+    unpack_halves
 
 define_flags("Tiny kernels on CPU: checks every variant runs and agrees.")
 flags.DEFINE_list("rows", ["32", "256"], "Tokens per call (a decode step's rows).")

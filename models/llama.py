@@ -2,11 +2,11 @@
 
 Without per-layer remat (cfg.remat false: the engines, whose tails keep each layer's residuals), the norms, SwiGLU's
 product (the down projection's input) and the reshape before the output projection are recomputed in the backward
-from what the matmuls and the attention keep anyway: left to autodiff, a layer keeps each norm's input in fp32 and its unscaled output
-besides, SwiGLU's sigmoid, silu and product, and the attention's output twice. For one row of 2048 tokens at
-llama70b's widths (with LoRA adapters) that is 0.95 GiB a layer, against 0.42 GiB so (tests/test_models.py counts
-them). The values are the same; a backward reruns a few elementwise ops. With remat the whole layer is recomputed
-anyway, and the layer is left as it was.
+from what the matmuls and the attention keep anyway: left to autodiff, a layer keeps each norm's input in fp32 and
+its unscaled output besides, SwiGLU's sigmoid, silu and product, and the attention's output twice. For one row of
+2048 tokens at llama70b's widths (with LoRA adapters) that is 0.95 GiB a layer, against 0.42 GiB so
+(tests/test_models.py counts them). The values are the same; a backward reruns a few elementwise ops. With remat the
+whole layer is recomputed anyway, and the layer is left as it was.
 """
 
 import functools

@@ -43,7 +43,8 @@ class OPTBlock(nn.Module):
 
     y_BxSxD = norm("final_layer_norm")(x_BxSxD) if pre else x_BxSxD
     h_BxSxF = dense(cfg.intermediate_size, "fc1")(y_BxSxD)
-    x_BxSxD = x_BxSxD + recomputed(lambda block, h_BxSxF: dense(cfg.hidden_size, "fc2")(nn.relu(h_BxSxF)))(self, h_BxSxF)
+    down = lambda block, h_BxSxF: dense(cfg.hidden_size, "fc2")(nn.relu(h_BxSxF))
+    x_BxSxD = x_BxSxD + recomputed(down)(self, h_BxSxF)
     x_BxSxD = norm("final_layer_norm")(x_BxSxD) if post else x_BxSxD
     return x_BxSxD if cache is None else (x_BxSxD, cache)
 

@@ -135,7 +135,8 @@ def test_the_readme_commands_plan_for_a_target_gpu_made_on_cpu_is_the_gpus_own(c
   with open(os.path.join(REPO, "benchmarks", "results", "plan_vs_peak_h200.json")) as f:
     gpu = next(case for case in json.load(f)["results"] if case["case"] == "llama13b_readme")["plan"]
   placement = [line for line in out.splitlines() if line.startswith("sub-batches")]
-  (here, here_calls), (there, there_calls) = device_parts(out), device_parts(f"device: x GiB ({gpu['device']['parts']})")
+  here, here_calls = device_parts(out)
+  there, there_calls = device_parts(f"device: x GiB ({gpu['device']['parts']})")
   assert "27 group(s)" in placement[0] and here == there and abs(here_calls - there_calls) <= 0.15, out
 
 
