@@ -1,12 +1,13 @@
 """LLaMA-2 in Flax: RMSNorm, rotary embeddings (Hugging Face convention), grouped-query attention, SwiGLU.
 
-Without per-layer remat (cfg.remat false: the engines, whose tails keep each layer's residuals), the norms, SwiGLU's
-product (the down projection's input) and the reshape before the output projection are recomputed in the backward
-from what the matmuls and the attention keep anyway: left to autodiff, a layer keeps each norm's input in fp32 and
-its unscaled output besides, SwiGLU's sigmoid, silu and product, and the attention's output twice. For one row of
-2048 tokens at llama70b's widths (with LoRA adapters) that is 0.95 GiB a layer, against 0.42 GiB so
-(tests/test_models.py counts them). The values are the same; a backward reruns a few elementwise ops. With remat the
-whole layer is recomputed anyway, and the layer is left as it was.
+Without per-layer remat (cfg.remat false: the engines, whose tails keep each layer's residuals), the norms (and so
+their outputs, the projections' inputs), SwiGLU's product (the down projection's input) and the reshape before the
+output projection are recomputed in the backward from what the matmuls and the attention keep anyway: left to
+autodiff, a layer keeps each norm's input in fp32, its unscaled output and its output, SwiGLU's sigmoid, silu and
+product, and the attention's output twice. For one row of 2048 tokens at llama70b's widths (with LoRA adapters) that
+is 0.95 GiB a layer, against 0.36 GiB so (tests/test_models.py counts them). The values are the same and no matmul
+runs again; a backward reruns the norms and a few elementwise ops. With remat the whole layer is recomputed anyway,
+and the layer is left as it was.
 """
 
 import functools
@@ -77,10 +78,13 @@ class LlamaBlock(nn.Module):
 
     positions_BxS = None if cache is None else cache.positions_BxS
 
-    y_BxSxD = norm("input_layernorm")(x_BxSxD)
-    q_BxSxNxH = rotary(dense(n * h, "q_proj")(y_BxSxD).reshape(batch, seq, n, h), cfg.rope_theta, positions_BxS)
-    k_BxSxKxH = rotary(dense(k * h, "k_proj")(y_BxSxD).reshape(batch, seq, k, h), cfg.rope_theta, positions_BxS)
-    v_BxSxKxH = dense(k * h, "v_proj")(y_BxSxD).reshape(batch, seq, k, h)
+    def qkv(block, x_BxSxD):
+      y_BxSxD = norm("input_layernorm")(x_BxSxD)
+      return dense(n * h, "q_proj")(y_BxSxD), dense(k * h, "k_proj")(y_BxSxD), dense(k * h, "v_proj")(y_BxSxD)
+    q, kk, v = (qkv if cfg.remat else nn.remat(qkv))(self, x_BxSxD)
+    q_BxSxNxH = rotary(q.reshape(batch, seq, n, h), cfg.rope_theta, positions_BxS)
+    k_BxSxKxH = rotary(kk.reshape(batch, seq, k, h), cfg.rope_theta, positions_BxS)
+    v_BxSxKxH = v.reshape(batch, seq, k, h)
     if cache is None:
       att_BxSxNxH = attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cfg)
     else:
@@ -89,9 +93,10 @@ class LlamaBlock(nn.Module):
     out = lambda block, att_BxSxNxH: dense(cfg.hidden_size, "o_proj")(att_BxSxNxH.reshape(batch, seq, n * h))
     x_BxSxD = x_BxSxD + (out if cfg.remat else nn.remat(out))(self, att_BxSxNxH)
 
-    y_BxSxD = norm("post_attention_layernorm")(x_BxSxD)
-    gate_BxSxF = dense(cfg.intermediate_size, "gate_proj")(y_BxSxD)
-    up_BxSxF = dense(cfg.intermediate_size, "up_proj")(y_BxSxD)
+    def gate_up(block, x_BxSxD):
+      y_BxSxD = norm("post_attention_layernorm")(x_BxSxD)
+      return dense(cfg.intermediate_size, "gate_proj")(y_BxSxD), dense(cfg.intermediate_size, "up_proj")(y_BxSxD)
+    gate_BxSxF, up_BxSxF = (gate_up if cfg.remat else nn.remat(gate_up))(self, x_BxSxD)
     down = lambda block, gate_BxSxF, up_BxSxF: dense(cfg.hidden_size, "down_proj")(swiglu(gate_BxSxF, up_BxSxF))
     x_BxSxD = x_BxSxD + (down if cfg.remat else nn.remat(down))(self, gate_BxSxF, up_BxSxF)
     return x_BxSxD if cache is None else (x_BxSxD, cache)

@@ -621,10 +621,12 @@ def test_flops_count_the_base_three_times_and_the_recompute_only_where_it_runs()
   assert all_recomputed.hardware - no_recompute.hardware == 4 * (2 * kernels + 2 * adapters + 2 * 8 * 32)
 
 
-# XLA's count is over the formula's by the elementwise ops (norms, activations, softmax, residual adds) and by the
-# masked half of causal attention, which it computes and the formula leaves out: ~1-2.5% at these shapes, where
-# matmuls dominate (width 256, seq 8). Counting the recompute in model FLOPs would be ~30% over.
-XLA_EXTRA = 0.04
+# XLA's count is over the formula's by the elementwise ops (norms, activations, softmax, residual adds), by the
+# masked half of causal attention, which it computes and the formula leaves out, and by what a layer's backward
+# reruns without remat (models/llama.py: the norms, and with them the adapters' first products x A of the norms'
+# outputs): ~1-5% at these shapes, where matmuls dominate (width 256, seq 8; the rerun is 0.02% of a llama7b layer's
+# gradient). Counting the recompute in model FLOPs would be ~30% over.
+XLA_EXTRA = 0.06
 
 
 def test_flops_per_token_are_xlas_count_of_the_steps_compiled_calls():
