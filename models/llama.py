@@ -10,8 +10,6 @@ runs again; a backward reruns the norms and a few elementwise ops. With remat th
 and the layer is left as it was.
 """
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,26 +20,17 @@ from models.config import ModelConfig
 _init = nn.initializers.normal(0.02)
 
 
-def _recomputed(fn, recompute: bool):
-  return jax.checkpoint(fn) if recompute else fn
-
-
 class RMSNorm(nn.Module):
   eps: float
   dtype: str
   param_dtype: str
-  recompute: bool = False  # in the backward, from x (see the module docstring)
 
   @nn.compact
   def __call__(self, x):
     weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-    return _recomputed(functools.partial(rms_norm, eps=self.eps, dtype=self.dtype), self.recompute)(x, weight)
-
-
-def rms_norm(x, weight, eps: float, dtype):
-  x32 = x.astype(jnp.float32)
-  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return weight.astype(dtype) * normed.astype(dtype)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return weight.astype(self.dtype) * normed.astype(self.dtype)
 
 
 def swiglu(gate_BxSxF, up_BxSxF):
@@ -72,7 +61,9 @@ class LlamaBlock(nn.Module):
     cfg = self.cfg
     dense = lambda features, name: nn.Dense(
         features, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=_init, name=name)
-    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, recompute=not cfg.remat, name=name)
+    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name=name)
+    # Each region's inputs are kept and the rest recomputed in the backward but the matmuls (see the module docstring)
+    recomputed = (lambda fn: fn) if cfg.remat else nn.remat
     batch, seq, _ = x_BxSxD.shape
     n, k, h = cfg.num_heads, cfg.kv_heads, cfg.head_dim
 
@@ -80,25 +71,27 @@ class LlamaBlock(nn.Module):
 
     def qkv(block, x_BxSxD):
       y_BxSxD = norm("input_layernorm")(x_BxSxD)
-      return dense(n * h, "q_proj")(y_BxSxD), dense(k * h, "k_proj")(y_BxSxD), dense(k * h, "v_proj")(y_BxSxD)
-    q, kk, v = (qkv if cfg.remat else nn.remat(qkv))(self, x_BxSxD)
-    q_BxSxNxH = rotary(q.reshape(batch, seq, n, h), cfg.rope_theta, positions_BxS)
-    k_BxSxKxH = rotary(kk.reshape(batch, seq, k, h), cfg.rope_theta, positions_BxS)
-    v_BxSxKxH = v.reshape(batch, seq, k, h)
+      return (dense(n * h, "q_proj")(y_BxSxD).reshape(batch, seq, n, h),
+              dense(k * h, "k_proj")(y_BxSxD).reshape(batch, seq, k, h),
+              dense(k * h, "v_proj")(y_BxSxD).reshape(batch, seq, k, h))
+
+    q_BxSxNxH, k_BxSxKxH, v_BxSxKxH = recomputed(qkv)(self, x_BxSxD)
+    q_BxSxNxH = rotary(q_BxSxNxH, cfg.rope_theta, positions_BxS)
+    k_BxSxKxH = rotary(k_BxSxKxH, cfg.rope_theta, positions_BxS)
     if cache is None:
       att_BxSxNxH = attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cfg)
     else:
       att_BxSxNxH, cache = cached_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, cache)
-    # Recomputed (no remat): the backward keeps the attention's output once, for the attention's backward and this.
     out = lambda block, att_BxSxNxH: dense(cfg.hidden_size, "o_proj")(att_BxSxNxH.reshape(batch, seq, n * h))
-    x_BxSxD = x_BxSxD + (out if cfg.remat else nn.remat(out))(self, att_BxSxNxH)
+    x_BxSxD = x_BxSxD + recomputed(out)(self, att_BxSxNxH)
 
     def gate_up(block, x_BxSxD):
       y_BxSxD = norm("post_attention_layernorm")(x_BxSxD)
       return dense(cfg.intermediate_size, "gate_proj")(y_BxSxD), dense(cfg.intermediate_size, "up_proj")(y_BxSxD)
-    gate_BxSxF, up_BxSxF = (gate_up if cfg.remat else nn.remat(gate_up))(self, x_BxSxD)
+
+    gate_BxSxF, up_BxSxF = recomputed(gate_up)(self, x_BxSxD)
     down = lambda block, gate_BxSxF, up_BxSxF: dense(cfg.hidden_size, "down_proj")(swiglu(gate_BxSxF, up_BxSxF))
-    x_BxSxD = x_BxSxD + (down if cfg.remat else nn.remat(down))(self, gate_BxSxF, up_BxSxF)
+    x_BxSxD = x_BxSxD + recomputed(down)(self, gate_BxSxF, up_BxSxF)
     return x_BxSxD if cache is None else (x_BxSxD, cache)
 
 
