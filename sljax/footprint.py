@@ -110,6 +110,12 @@ def compute_bound(machine: Machine, passes: list[Pass]) -> bool:
       one.compute_seconds >= copy for one, copy in zip(passes, copies))
 
 
+def dequantize_bytes(stored: int, dequantized: int) -> int:
+  """Device memory traffic of dequantizing compressed layers: their codes and scales (`stored` bytes) read, their
+  kernels (`dequantized` bytes, in the compute dtype) written; at the machine's memory_bytes_per_s."""
+  return stored + dequantized
+
+
 def step_seconds(machine: Machine, passes: list[Pass]) -> float:
   """Each pass takes the longer of its compute and its copies."""
   return sum(max(one.compute_seconds, pass_copy_seconds(machine, one)) for one in passes)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from models.common import check_model
 from models.config import ModelConfig
 from models.presets import build
-from sljax.footprint import MARGIN, SCRATCH, Footprint, copy_seconds, machine_for, margin_bytes
+from sljax.footprint import MARGIN, SCRATCH, Footprint, copy_seconds, dequantize_bytes, machine_for, margin_bytes
 from sljax.generate import IN_FLIGHT, OffloadConfig, layer_groups
 from sljax.machines import GIB, REFERENCE, Budget, Machine, default_budget, target_budget
 from sljax.memory import tree_bytes
@@ -201,7 +201,7 @@ def pass_cost(model, offload: OffloadConfig, batch: int, seq: int, max_len: int,
   # _join_rows). Device memory traffic: every call reads every layer's weights and the caches; a compressed layer is
   # also dequantized once (its codes read, its kernels written).
   parts = offload.sub_batches if prompt or offload.kv_on_host else 1
-  compressed = sum(layers * (stored + layer) for layers, bits, stored in (
+  compressed = sum(layers * dequantize_bytes(stored, layer) for layers, bits, stored in (
       (streamed, offload.streamed_bits, streamed_layer), (offload.resident_layers, offload.resident_bits, resident_layer))
       if bits < 16)
   seconds = max(copy_seconds(machine, copied_in, cache_out), flops / machine.generation_flops,

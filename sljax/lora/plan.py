@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import optax
 
 from sljax.footprint import (MARGIN, SCRATCH, SUB_BATCH_TOKENS, Footprint, Pass, compiled_sizes, compute_bound,
-                             machine_for, margin_bytes, pass_copy_seconds)
+                             dequantize_bytes, machine_for, margin_bytes, pass_copy_seconds)
 from sljax.lora.engine import LoraEngine, LoraEngineConfig, held_base, lora_groups
 from sljax.lora.model import LoraModel, split_adapters
 from sljax.machines import GIB, Budget, Machine
@@ -151,10 +151,9 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
            # master; the optimizer state and its new value
            "adapters (master, grads, optimizer, update)":
                3 * tree_bytes(adapters) + 2 * tree_bytes(jax.eval_shape(optimizer.init, adapters))}
-  # One layer's dequantize: its codes and scales read, its kernels written in the compute dtype, at the device
-  # memory's rate (a lower bound: GPU kernels of this shape reach about half of it).
-  dequantize = (layer + jnp.dtype(model.cfg.dtype).itemsize * sizes.layer_params) / machine.memory_bytes_per_s * bool(
-      model.lora.base_bits)
+  # One layer's dequantize at the device memory's rate (a lower bound: the GPU's kernel reaches about half of it).
+  dequantize = dequantize_bytes(layer, jnp.dtype(model.cfg.dtype).itemsize * sizes.layer_params) / (
+      machine.memory_bytes_per_s) * bool(model.lora.base_bits)
   if tail_layers is not None and not 0 <= tail_layers <= layers:
     raise ValueError(f"tail_layers must be in 0..{layers} (the model's layers), got {tail_layers}")
 
