@@ -18,7 +18,9 @@ import jax.numpy as jnp
 
 CODES = {8: 127, 4: 7}  # symmetric: int4 leaves -8 unused, so that 0 stays exact and the range is even
 WEIGHT_BITS = (16, 8, 4)  # what a layer's weights may be kept as: the compute dtype, or int8 / int4 codes
-HALVES_BLOCK = (32, 256)  # rows, columns of each half that one program of dequantize_halves' GPU kernel writes
+# Rows, columns of each half that one program of dequantize_halves' GPU kernel writes, and its warps (None: Triton's
+# default)
+HALVES_BLOCK = (32, 256, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +77,8 @@ def dequantize_halves(node: dict, dtype) -> jax.Array:
   cols = _kernel_cols(node)
   if not cols:
     return dequantize_kernel(unpack_halves(node, jnp.int8), dtype)
-  return dequantize_halves_kernel(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], cols)
+  return dequantize_halves_kernel(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], cols,
+                                  num_warps=HALVES_BLOCK[2])
 
 
 def dequantize_layer(stacked: dict, layer, dtype) -> dict:
@@ -84,7 +87,8 @@ def dequantize_layer(stacked: dict, layer, dtype) -> dict:
   in place in the stack (a slice before a custom call is a copy: 0.43 GB per llama70b layer)."""
   def one(node):
     if is_packed(node) and "halves" in node and (cols := _kernel_cols(node)):
-      return dequantize_halves_kernel(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], cols, layer=layer)
+      return dequantize_halves_kernel(node["halves"], node["scale"], dtype, HALVES_BLOCK[0], cols, layer=layer,
+                                      num_warps=HALVES_BLOCK[2])
     sliced = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1), node)
     return dequantize_kernel(sliced, dtype) if is_packed(node) else sliced
   return jax.tree.map(one, stacked, is_leaf=is_packed)
