@@ -319,6 +319,7 @@ def test_int8_exchange_step_stays_close_to_exact():
   assert 0 < rel_error(results[1][1], results[0][1]) <= 1e-2  # measured: 2.4e-3
 
 
+@pytest.mark.slow
 def test_int8_exchange_benchmark_variant_computes_what_the_engine_computes():
   """benchmarks.int8_moments_quality's int8_exchange loss and gradient are the engine's with int8_exchange (groups of
   one layer, two sub-batches), within fp32 rounding; the exact gradient is hundreds of times further from both."""

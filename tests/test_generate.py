@@ -393,6 +393,7 @@ def test_compressed_streamed_weights_cross_fewer_bytes_and_stay_close_to_the_exa
   assert 0 < error < (0.02 if bits == 8 else 0.3) * np.max(np.abs(want))
 
 
+@pytest.mark.slow
 def test_compressed_generation_is_the_exact_generation_of_the_dequantized_weights(monkeypatch):
   """Compression changes the weights and nothing else: a generator keeping int4 / int8 kernels (dequantized once per
   pass for all sub-batches) gives bit for bit the logits of the exact generator on the dequantized weights."""
@@ -499,7 +500,8 @@ def test_generation_sizes_from_shapes_are_the_presets_own_numbers(name):
 @pytest.mark.parametrize("offload", [
     OffloadConfig(sub_batches=2, live_layers=1, resident_layers=4),  # every layer on the device, and the cache
     OffloadConfig(sub_batches=2, live_layers=1, resident_layers=1, kv_on_host=True),  # streamed, the cache on host
-    OffloadConfig(sub_batches=2, live_layers=2, resident_layers=0, streamed_bits=4, weight_group_size=16),
+    pytest.param(OffloadConfig(sub_batches=2, live_layers=2, resident_layers=0, streamed_bits=4, weight_group_size=16),
+                 marks=pytest.mark.slow),
 ])
 def test_live_bytes_after_every_dispatch_stay_within_the_plan(monkeypatch, offload):
   """What a generation holds, per memory kind, after each of its calls and transfers, against what its plan says

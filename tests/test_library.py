@@ -55,6 +55,7 @@ def test_own_model_trains_as_plain_jax_grad_on_the_full_batch(setup):
   np.testing.assert_allclose(flat(got), flat(want), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_own_model_plans_from_its_shapes():
   sizes = sljax.model_sizes(MODEL)
   layer = jax.eval_shape(MODEL.init_layers, jax.random.split(jax.random.key(0), 1))
@@ -67,6 +68,7 @@ def test_own_model_plans_from_its_shapes():
   assert plan.engine.sub_batches == 2 and plan.device_bytes["resident group state"] == 3 * sizes.layer_params * (4 + 8)  # master + AdamW
 
 
+@pytest.mark.slow
 def test_own_model_generates_as_the_plain_loop():
   params = {"outer": MODEL.init_outer(jax.random.key(3)), "layers": MODEL.init_layers(jax.random.split(jax.random.key(4), 3))}
   prompts = [[1, 2, 3, 4, 5], [7, 8]]

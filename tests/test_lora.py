@@ -145,7 +145,8 @@ def _steps(engine, adapters, batches) -> tuple[dict, list[float]]:
   return state, losses
 
 
-@pytest.mark.parametrize("bits, cfg", [(4, LoraEngineConfig(sub_batches=4, live_layers=2, resident_layers=2)),
+@pytest.mark.parametrize("bits, cfg", [pytest.param(4, LoraEngineConfig(sub_batches=4, live_layers=2,
+                                                                         resident_layers=2), marks=pytest.mark.slow),
                                        (8, LoraEngineConfig(sub_batches=2, resident_layers=3, tail_layers=2))])
 def test_steps_on_a_quantized_base_equal_plain_lora_steps_on_the_dequantized_base(bits, cfg):
   """--base_bits: the base is quantized once as it loads (sljax.quant, a group at a time, resident and streamed
@@ -195,8 +196,9 @@ def _recording_gradients(engine) -> list:
   return gradients
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits, optimizer_name, clip, meshes", [
-    (0, "sgd", 0.0, (2, 4)), pytest.param(4, "adamw", 0.05, (2,), marks=pytest.mark.slow)])
+    (0, "sgd", 0.0, (2, 4)), (4, "adamw", 0.05, (2,))])
 def test_lora_steps_over_a_data_mesh_are_one_devices_and_the_plain_steps(bits, optimizer_name, clip, meshes):
   """Data parallel (--mesh=data:N): every device holds the whole base and adapters and runs its rows of each
   sub-batch; the adapters' gradient is all-reduced once. Two steps with a streamed group, the stash in pinned
@@ -252,6 +254,7 @@ def _copy(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_adapters_in_layer_groups_restores_stacked_under_other_groups(tmp_path):
   """Format 1, as the engine once held its state: the adapters and their optimizer state a list of layer groups (of
   1 and 3 layers here). It restores joined into the stacks of an engine grouped otherwise (2, 1, 1 layers), the
@@ -364,6 +367,7 @@ def test_a_tail_layer_on_an_int4_base_keeps_no_more_residuals_than_on_the_bf16_o
   assert kept[4] == kept[0]
 
 
+@pytest.mark.slow
 def test_a_plan_with_the_whole_base_resident_splits_the_batch_where_a_longer_tail_computes_less(monkeypatch):
   """A tail holds one sub-batch's residuals per layer: where the whole base is resident and the tail cannot hold
   every layer, the batch in more sub-batches (of MIN_TAIL_CALL_TOKENS a call at least) keeps a longer tail within
@@ -383,6 +387,7 @@ def test_a_plan_with_the_whole_base_resident_splits_the_batch_where_a_longer_tai
   assert plan_lora(model, 8, budget, batch=4, sub_batches=1).engine.tail_layers == one.engine.tail_layers
 
 
+@pytest.mark.slow
 def test_a_plan_on_a_compressed_base_takes_the_fewest_sub_batches_that_keep_the_whole_model_as_tail(monkeypatch):
   """Every sub-batch's call dequantizes its layer again, forward and backward, so the step's compute counts
   2 x sub-batches x layers dequantizes (a layer's codes read and its kernels written at the memory's rate); between

@@ -98,6 +98,7 @@ def test_tensorboard_has_mfu_without_the_recompute_and_hfu_with_it(trained):
   assert flops.hardware > flops.model
 
 
+@pytest.mark.slow
 def test_lora_over_a_data_mesh_trains_as_on_one_device_and_resumes(tmp_path, trained):
   """--mesh=data:2: each device holds the whole base and adapters and takes half of each batch's rows. Its losses
   are the one-device run's (the fixture's; fp32, 1e-5); its checkpoint resumes on the mesh, and so does the one-device
@@ -118,6 +119,7 @@ def test_lora_over_a_data_mesh_trains_as_on_one_device_and_resumes(tmp_path, tra
       np.testing.assert_allclose(a[1][leaf], b[1][leaf], rtol=1e-5, atol=1e-5 * np.max(np.abs(b[1][leaf])))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_adapters_in_layer_groups_resumes_under_other_groups_as_a_stacked_one(tmp_path, trained):
   """Format 1 (no lora.format in the metadata): the fixture's newest checkpoint as an older sljax wrote it, its
   adapters and their optimizer state a list of layer groups of one layer. It exports the adapters saved, and resumes

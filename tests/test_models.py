@@ -43,6 +43,8 @@ CONFIGS = {
     "opt-pre": _opt(1, True, False),
     "opt-350m-shape": _opt(2, False, True),
 }
+# The first config in the fast tier (-m "not slow"), the others with the slow tests.
+FIRST_FAST = [name if n == 0 else pytest.param(name, marks=pytest.mark.slow) for n, name in enumerate(CONFIGS)]
 
 
 @functools.cache
@@ -101,7 +103,7 @@ def test_param_count_of_init(name):
   assert _count(jax.tree.map(lambda x: x[0], params["layers"])) == cfg.layer_param_count()
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", FIRST_FAST)
 def test_jit_matches_eager(name):
   model, params, tokens_BxS, batch = _setup(name)
   forward, loss, _ = _jitted(name)
@@ -109,7 +111,7 @@ def test_jit_matches_eager(name):
   _assert_trees_close(loss(params, batch), model.loss(params, batch))
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", FIRST_FAST)
 def test_remat_matches_no_remat(name):
   _, params, _, batch = _setup(name)
   assert CONFIGS[name].remat
@@ -119,7 +121,8 @@ def test_remat_matches_no_remat(name):
   assert all(jnp.any(g != 0) for g in jax.tree.leaves(grads["layers"]))
 
 
-@pytest.mark.parametrize("name, kept_wide, kept_hidden", [("llama-gqa", 2, 2), ("opt-pre", 1, 4)])
+@pytest.mark.parametrize("name, kept_wide, kept_hidden", [("llama-gqa", 2, 2),
+                                                          pytest.param("opt-pre", 1, 4, marks=pytest.mark.slow)])
 def test_a_layer_keeps_its_matmuls_activations_and_no_norm_or_activation_internals(monkeypatch, name, kept_wide,
                                                                                     kept_hidden):
   """Without remat, a layer's backward keeps, of its [B, S, F]-wide activations, only the matmuls' outputs (LLaMA's

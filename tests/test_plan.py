@@ -236,6 +236,7 @@ def test_the_plan_chooses_the_smallest_compute_bound_batch(monkeypatch):
   assert why.startswith(f"batch {plan.rows} ({plan.rows} rows x 1 device(s)): the smallest"), why
 
 
+@pytest.mark.slow
 def test_on_a_gpu_the_batch_grows_until_the_once_a_step_work_is_a_small_share_of_its_compute(monkeypatch):
   """The update runs once a step whatever its rows: on a GPU the plan doubles the batch until that work is at most
   ONCE_A_STEP_SHARE of the step's compute (as on the H200, where llama13b's update took 8.9% of a batch of 8 x 2048);
@@ -417,7 +418,8 @@ def _live_peaks(clip: float, resident: bool = False, parked_grads_dtype: str = "
   return peaks, planned
 
 
-@pytest.mark.parametrize("clip", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_live_pinned_host_bytes_after_every_dispatch_stay_within_the_plan(clip):
   """The replaced host buffers that wait RETIRE_LAG retirements to be freed included (sljax.schedule.
   retired_host_bytes): without them the plan fell short by half (+48% without clipping)."""
@@ -457,7 +459,8 @@ def test_live_device_bytes_reach_the_plan_when_every_groups_state_is_on_the_devi
   assert 0.9 * planned["device"] <= peaks["device"] <= planned["device"], (peaks, planned)
 
 
-@pytest.mark.parametrize("clip", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_live_device_bytes_stay_within_a_plan_that_counts_a_long_tails_gradient_once(clip):
   """The last group's fp32 gradient is the widest: it accumulates alone (the first group of the backward), then
   waits beside one group of live layers. Counted twice, as the widest of two in flight, the plan left room for a
@@ -469,7 +472,8 @@ def test_live_device_bytes_stay_within_a_plan_that_counts_a_long_tails_gradient_
   assert plan.device_bytes["group grads (2)"] == (3 + 1) * layer_grads
 
 
-@pytest.mark.parametrize("clip", [1.0, pytest.param(0.0, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [1.0, 0.0])
 def test_live_device_bytes_stay_within_a_traded_tails_plan_step_after_step(clip):
   """#36: llama13b --moments_dtype=int8 --trade_state_for_tail (a 13-layer tail, 59.4 GiB of residuals) ran step 1
   and ran out of device memory in step 2, the first whose forward applies the parked updates. The step's weight stream
@@ -568,6 +572,7 @@ def _last_group_in_one_call(model):
   return jax.jit(last_group)
 
 
+@pytest.mark.slow
 def test_no_call_of_the_last_group_needs_scratch_that_grows_with_its_layers():
   """XLA makes a call's scratch one allocation: llama13b's 12-layer tail, one call per sub-batch, asked the H200 for
   65.75 GiB in one piece, which it did not have at step 2. Each of the last group's calls (a layer's forward, the head,

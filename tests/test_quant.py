@@ -50,7 +50,8 @@ def test_int4_codes_are_a_native_int4_array_of_half_a_byte_each():
   assert int(jnp.max(packed["codes"].astype(jnp.int8))) == CODES[4] == -int(jnp.min(packed["codes"].astype(jnp.int8)))
 
 
-@pytest.mark.parametrize("rows, cols, group_size", [(256, 64, 64), (512, 96, 128), (96, 30, 1000)])
+@pytest.mark.parametrize("rows, cols, group_size", [(256, 64, 64), pytest.param(512, 96, 128, marks=pytest.mark.slow),
+                                                     (96, 30, 1000)])
 def test_int4_codes_as_bytes_hold_the_same_bytes_and_dequantize_bit_for_bit(rows, cols, group_size):
   packed = quantize_kernel(weights((2, rows, cols)), QuantConfig(bits=4, group_size=group_size))
   halves = pack_halves(packed)
@@ -109,7 +110,8 @@ def test_group_is_the_largest_divisor_of_the_contraction_axis_up_to_the_asked_si
   assert group_rows(7, 128) == 7 and group_rows(13, 4) == 1
 
 
-@pytest.mark.parametrize("family, preset", [pytest.param("llama", "llama-tiny", marks=pytest.mark.slow), ("opt", "opt-125m")])
+@pytest.mark.slow
+@pytest.mark.parametrize("family, preset", [("llama", "llama-tiny"), ("opt", "opt-125m")])
 def test_only_kernels_are_compressed_and_the_bytes_shrink_as_documented(family, preset):
   model = build(get_config(preset, {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
                                    "num_kv_heads": 2}))

@@ -291,6 +291,7 @@ def slowed_steps(monkeypatch, on_dispatch):
   monkeypatch.setattr(sljax.steps, "all_on_device", engine)
 
 
+@pytest.mark.slow
 def test_the_loop_runs_at_most_one_step_ahead_of_the_device(tmp_path, monkeypatch):
   in_flight = []
   slowed_steps(monkeypatch, lambda n, losses: in_flight.append(sum(not loss.is_ready() for loss in losses)))
@@ -331,7 +332,8 @@ def test_a_disk_too_small_for_the_checkpoints_is_refused_before_anything_is_writ
   assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
 
 
-@pytest.mark.parametrize("steps,saves", [(2, 1), (3, 2), (4, 2)])
+@pytest.mark.parametrize("steps,saves", [(2, 1), pytest.param(3, 2, marks=pytest.mark.slow),
+                                         pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_the_disk_check_counts_the_saves_the_run_makes(tmp_path, monkeypatch, steps, saves):
   """Every 2 steps, and the last step's unless it is one of them: a disk that holds one checkpoint suits a run that
   saves once (it was once asked for two)."""
@@ -341,6 +343,7 @@ def test_the_disk_check_counts_the_saves_the_run_makes(tmp_path, monkeypatch, st
   assert counted == [saves] and len(os.listdir(tmp_path / "run" / "checkpoints")) == min(saves, 2)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_counts_only_the_saves_after_its_checkpoint(tmp_path, monkeypatch):
   """The same command after a kill resumes at its newest checkpoint: it makes the saves after that one, not the whole
   run's (on the H200 a rerun was refused for room it did not need)."""
@@ -410,7 +413,7 @@ def hooked_steps(monkeypatch, after_step):
   monkeypatch.setattr(sljax.steps, "all_on_device", engine)
 
 
-@pytest.mark.parametrize("every", [0, 5])
+@pytest.mark.parametrize("every", [0, pytest.param(5, marks=pytest.mark.slow)])
 def test_checkpoint_minutes_keeps_the_newest_save_within_them_plus_one_step(tmp_path, monkeypatch, every):
   """Each step takes a second of a fake clock; --checkpoint_minutes=0.05 is 3 of them. Whenever the run is killed
   (at any step) and when it is stopped by SIGTERM (after step 8), the newest checkpoint's state is at most 3 s plus
@@ -466,6 +469,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow
 def test_a_second_run_in_a_live_runs_workdir_is_refused_and_a_killed_runs_lock_blocks_nothing(tmp_path):
   workdir = tmp_path / "run"
   workdir.mkdir()
