@@ -302,6 +302,7 @@ def test_the_engine_refuses_an_optimizer_it_cannot_apply_group_by_group_exactly(
     sljax.Engine(tiny_model(), GLOBAL[name], sljax.EngineConfig(live_layers=1))
 
 
+@pytest.mark.slow
 def test_engine_step_refuses_a_batch_of_the_wrong_keys_or_shapes_naming_the_key():
   engine = sljax.Engine(tiny_model(), optax.sgd(0.1), sljax.EngineConfig(sub_batches=2))
   state = engine.init(jax.random.key(0))

@@ -618,12 +618,13 @@ def test_an_engine_checkpoint_holds_each_layers_master_weights_and_optimizer_sta
   assert saved < 3 * master_bytes + 64  # master + two fp32 moments (and the scalars): no compute copy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved, restored, clip", [
     (ONE_DEVICE_HOST, "device", 0.0),
-    pytest.param("device", TWO_GROUPS, 0.0, marks=pytest.mark.slow),
-    pytest.param(ONE_DEVICE_HOST, TWO_GROUPS, 1e-3, marks=pytest.mark.slow),  # clipping: the state settled first
-    pytest.param(ONE_DEVICE_HOST, "offload over fsdp:2", 0.0, marks=pytest.mark.slow),  # 1 device to a 2-device mesh
-    pytest.param("device", "device over data:2", 0.0, marks=pytest.mark.slow),
+    ("device", TWO_GROUPS, 0.0),
+    (ONE_DEVICE_HOST, TWO_GROUPS, 1e-3),  # clipping: the state settled first
+    (ONE_DEVICE_HOST, "offload over fsdp:2", 0.0),  # 1 device to a 2-device mesh
+    ("device", "device over data:2", 0.0),
 ])
 def test_any_placement_restores_a_checkpoint_to_the_same_arrays(tmp_path, saved, restored, clip):
   """Restored into another engine, layer grouping, memory placement or mesh, a state saves back the arrays it was

@@ -144,6 +144,7 @@ def test_a_checkpoint_of_adapters_in_layer_groups_resumes_under_other_groups_as_
   jax.tree.map(np.testing.assert_array_equal, *(read_adapters(checkpoint) for checkpoint in resumed))
 
 
+@pytest.mark.slow
 def test_an_unknown_adapter_layout_is_refused_in_one_line_before_anything_is_written(tmp_path, trained):
   """A resume and an export (generate.py opens the checkpoint as the export does) refuse a checkpoint whose
   lora.format this sljax does not read."""

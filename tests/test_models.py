@@ -64,10 +64,15 @@ def _setup(name: str):
   return model, params, tokens_BxS, batch
 
 
-@functools.cache
 def _jitted(name: str, **overrides):
-  """Compiled forward, loss and value_and_grad(loss) of a named config with overrides, shared across tests."""
-  model = presets.build(dataclasses.replace(CONFIGS[name], **overrides))
+  """Compiled forward, loss and value_and_grad(loss) of a named config with overrides, shared across tests (by the
+  config they make: test_shapes_and_finite's dtype=float32 is the others' config)."""
+  return _jitted_config(dataclasses.replace(CONFIGS[name], **overrides))
+
+
+@functools.cache
+def _jitted_config(cfg: ModelConfig):
+  model = presets.build(cfg)
   return jax.jit(model.forward), jax.jit(model.loss), jax.jit(jax.value_and_grad(model.loss))
 
 

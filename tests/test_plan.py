@@ -185,6 +185,7 @@ def test_the_planned_state_is_the_engines(moments):
       tree_bytes(state["outer"]) + per_param(state["outer_opt"]) + outer_grads)
 
 
+@pytest.mark.slow
 def test_8bit_moments_keep_more_groups_state_on_the_device():
   """Where fp32 moments keep 2 of 6 groups' state on the device, 8-bit ones keep it all, with room for a tail."""
   model = tiny_model(6, 32)
@@ -538,6 +539,7 @@ def test_clipped_host_groups_on_the_device_at_once_stay_within_updates_in_flight
   assert most[0] == schedule.UPDATES_IN_FLIGHT, most[0]
 
 
+@pytest.mark.slow
 def test_a_compute_bound_plan_trades_resident_state_for_a_longer_tail_when_asked(monkeypatch):
   """--trade_state_for_tail: where the copies hide behind the compute, a tail layer saves its recompute (a forward)
   and resident state saves only copies: the plan moves groups' state to host memory for kept residuals while the

@@ -70,6 +70,7 @@ def test_int4_codes_as_bytes_hold_the_same_bytes_and_dequantize_bit_for_bit(rows
       np.testing.assert_array_equal(np.asarray(one(layer)), want[layer:layer + 1])
 
 
+@pytest.mark.slow
 def test_one_layer_of_a_stack_dequantizes_as_its_slice():
   rng = np.random.default_rng(1)
   stack = {"attn": {"kernel": weights((3, 256, 64)), "bias": jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)},

@@ -413,7 +413,8 @@ def hooked_steps(monkeypatch, after_step):
   monkeypatch.setattr(sljax.steps, "all_on_device", engine)
 
 
-@pytest.mark.parametrize("every", [0, pytest.param(5, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("every", [0, 5])
 def test_checkpoint_minutes_keeps_the_newest_save_within_them_plus_one_step(tmp_path, monkeypatch, every):
   """Each step takes a second of a fake clock; --checkpoint_minutes=0.05 is 3 of them. Whenever the run is killed
   (at any step) and when it is stopped by SIGTERM (after step 8), the newest checkpoint's state is at most 3 s plus
