@@ -41,6 +41,16 @@ def test_resumed_run_continues_the_step_count_and_matches_an_uninterrupted_run(t
   assert train_in_process(tmp_path / "two", "--steps=6", *schedule) == {}  # already done
 
 
+def resume_from_step_2(uninterrupted, workdir):
+  """`workdir`: the uninterrupted run's, as a run of its flags that stopped after step 2 left it (its schedule is
+  --decay_steps', whatever --steps): its step-2 checkpoint the newest. Saves training those 2 steps again."""
+  shutil.copytree(uninterrupted, workdir)
+  for step in os.listdir(workdir / "checkpoints"):
+    if step.isdigit() and int(step) > 2:
+      shutil.rmtree(workdir / "checkpoints" / step)
+  assert newest_checkpoint(str(workdir))[0].endswith(os.sep + "2")
+
+
 @pytest.mark.slow
 def test_a_checkpoint_fixes_no_placement_a_resume_runs_the_engine_its_own_request_and_plan_choose(tmp_path):
   """A checkpoint holds the model's master weights and optimizer state per layer (sljax.checkpoint_layout): the
@@ -49,8 +59,8 @@ def test_a_checkpoint_fixes_no_placement_a_resume_runs_the_engine_its_own_reques
   moment is kept where the request leaves it open. In fp32: in bf16 the two engines' own runs differ by more."""
   schedule = ["--decay_steps=6", "--checkpoint_every=2", "--set=dtype=float32"]
   chosen = ["--engine=offload", "--sub_batches=2", "--live_layers=1", "--tail_layers=1", "--moments_dtype=bfloat16"]
-  uninterrupted = train_in_process(tmp_path / "one", "--steps=6", *schedule, *chosen)
-  train_in_process(tmp_path / "two", "--steps=2", *schedule, *chosen)
+  uninterrupted = train_in_process(tmp_path / "one", "--steps=6", "--keep_checkpoints=3", *schedule, *chosen)
+  resume_from_step_2(tmp_path / "one", tmp_path / "two")
   on_device = train_in_process(tmp_path / "two", "--steps=4", *schedule)
   assert newest_checkpoint(str(tmp_path / "two"))[1]["optim"]["moments_dtype"] == "bfloat16"
   offloaded = train_in_process(tmp_path / "two", "--steps=6", *schedule, "--engine=offload", "--tail_layers=2")
@@ -69,7 +79,7 @@ def test_a_resume_keeps_its_state_where_its_own_plan_puts_it(tmp_path, capsys):
            "--live_layers=1", "--tail_layers=1"]
   small = "--device_memory_gib=0.0042"  # the tiny model's state of 2 of its 6 groups on the device, by the plan
   uninterrupted = train_in_process(tmp_path / "one", "--steps=4", *steps)
-  train_in_process(tmp_path / "two", "--steps=2", *steps)
+  resume_from_step_2(tmp_path / "one", tmp_path / "two")
   capsys.readouterr()
   resumed = train_in_process(tmp_path / "two", "--steps=4", *steps, small)
   out = capsys.readouterr().out
