@@ -53,6 +53,14 @@ def files(tmp_path_factory) -> dict[str, str]:
   return {name: str(root / name) for name in ("garbage.model", "hf", "a_directory")} | {"root": str(root)}
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+  """The workdir of a 2-step train.py run, which the generate tests read (and copy to damage, never change)."""
+  workdir = tmp_path_factory.mktemp("two_steps") / "run"
+  train_in_process(f"--workdir={workdir}", "--steps=2")
+  return workdir
+
+
 def test_check_writable_file(tmp_path):
   check = metrics.check_writable_file
   check("")  # no file
@@ -111,11 +119,10 @@ def _stray_errors(stderr: str) -> set[str]:
 
 
 @pytest.mark.slow
-def test_generate_reads_relative_checkpoint_paths_and_refuses_bad_inputs_with_one_line(tmp_path, files):
-  train_in_process(f"--workdir={tmp_path / 'run'}", "--steps=2")
+def test_generate_reads_relative_checkpoint_paths_and_refuses_bad_inputs_with_one_line(tmp_path, files, two_steps):
   step_dirs = {}
   for damage in ("truncated", "half-written"):  # the newest step's largest file cut in half, or not there at all
-    shutil.copytree(tmp_path / "run", tmp_path / damage)
+    shutil.copytree(two_steps, tmp_path / damage)
     step_dirs[damage], _ = newest_checkpoint(str(tmp_path / damage))
     largest = max((os.path.join(d, f) for d, _, names in os.walk(step_dirs[damage]) for f in names),
                   key=os.path.getsize)
@@ -126,7 +133,7 @@ def test_generate_reads_relative_checkpoint_paths_and_refuses_bad_inputs_with_on
   (tmp_path / "empty").mkdir()
   (tmp_path / "prompts.txt").write_text("def fib(n):\nimport os\n")
   prompts, short = f"--prompt_file={tmp_path / 'prompts.txt'}", "--max_new_tokens=2"
-  relative = os.path.relpath(tmp_path / "run", REPO)  # the docstring's `--checkpoint runs/llama-tiny`
+  relative = os.path.relpath(two_steps, REPO)  # the docstring's `--checkpoint runs/llama-tiny`
   cases = {  # (flags, the start of the one line; None: it generates)
       "relative checkpoint": ([f"--checkpoint={relative}", prompts, short], None),
       "truncated": ([f"--checkpoint={tmp_path / 'truncated'}", prompts, short],
@@ -136,7 +143,7 @@ def test_generate_reads_relative_checkpoint_paths_and_refuses_bad_inputs_with_on
       "no checkpoint": ([f"--checkpoint={tmp_path / 'empty'}", prompts], f"sljax: {tmp_path / 'empty'} holds no "),
       "model and hf_dir": (["--model=llama-tiny", f"--hf_dir={files['hf']}", prompts],
                            "sljax: give --model or --hf_dir (whose config.json names the model), not both"),
-      "model and checkpoint": (["--model=llama-tiny", f"--checkpoint={tmp_path / 'run'}", prompts],
+      "model and checkpoint": (["--model=llama-tiny", f"--checkpoint={two_steps}", prompts],
                                "sljax: give --model or --checkpoint (whose metadata names it), not both"),
       "truncated safetensors": ([f"--hf_dir={files['hf']}", prompts],
                                 f"sljax: {files['hf']}/model.safetensors is not a readable safetensors file, or "),
@@ -234,8 +241,7 @@ def test_weights_with_a_nan_are_refused_as_they_are_read():
 
 
 @pytest.mark.slow
-def test_generate_refuses_reshaped_saved_models_and_weights_with_a_nan_in_one_line(tmp_path):
-  train_in_process(f"--workdir={tmp_path / 'run'}", "--steps=2")
+def test_generate_refuses_reshaped_saved_models_and_weights_with_a_nan_in_one_line(tmp_path, two_steps):
   torch.manual_seed(0)
   config = transformers.LlamaConfig(
       vocab_size=256, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
@@ -248,7 +254,7 @@ def test_generate_refuses_reshaped_saved_models_and_weights_with_a_nan_in_one_li
     model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
   model.save_pretrained(tmp_path / "nan")
   (tmp_path / "prompts.txt").write_text("def fib(n):\n")
-  run, lora = str(tmp_path / "run"), str(tmp_path / "lora")
+  run, lora = str(two_steps), str(tmp_path / "lora")
   prompts, short = f"--prompt_file={tmp_path / 'prompts.txt'}", "--max_new_tokens=2"
   cases = {
       "dtype": ([f"--checkpoint={run}", "--set=dtype=float32", prompts, short], None),
