@@ -228,7 +228,8 @@ def test_batch_not_divisible_by_sub_batches_is_refused():
     engine.step(state, make_batch(np.random.default_rng(0), 4, 8))
 
 
-@pytest.mark.parametrize("clip", [0.0, pytest.param(0.5, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [0.0, 0.5])
 def test_bytes_moved_per_step_match_the_schedule(clip):
   """Everything on the host: per step, each group's weights cross twice (the last group's once), its state once each
   way, and each group's input but the last group's is stashed and fetched back once (see Engine.step). Clipping
@@ -265,6 +266,7 @@ def test_int8_rows_error_bound():
   assert np.all(error <= bound * (1 + 1e-5) + 1e-30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device_state_groups", [1, 4])
 def test_bf16_parked_gradients_step_as_the_full_batch_step_on_gradients_rounded_once(device_state_groups):
   """parked_grads_dtype=bfloat16 is inexact by one rounding: the engine's step equals the full-batch step whose layer
@@ -435,7 +437,8 @@ def test_eval_loss_is_the_models_loss_fp32(case):
   assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # nothing donated
 
 
-@pytest.mark.parametrize("clip", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_a_step_after_an_eval_is_the_step_without_it_bit_for_bit(clip):
   """An evaluation changes no state: two steps with evaluations between them leave the same losses and state, bit
   for bit, as two steps without. With clipping the first step parks its updates: eval_loss refuses that state,

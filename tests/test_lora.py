@@ -145,8 +145,8 @@ def _steps(engine, adapters, batches) -> tuple[dict, list[float]]:
   return state, losses
 
 
-@pytest.mark.parametrize("bits, cfg", [pytest.param(4, LoraEngineConfig(sub_batches=4, live_layers=2,
-                                                                         resident_layers=2), marks=pytest.mark.slow),
+@pytest.mark.slow
+@pytest.mark.parametrize("bits, cfg", [(4, LoraEngineConfig(sub_batches=4, live_layers=2, resident_layers=2)),
                                        (8, LoraEngineConfig(sub_batches=2, resident_layers=3, tail_layers=2))])
 def test_steps_on_a_quantized_base_equal_plain_lora_steps_on_the_dequantized_base(bits, cfg):
   """--base_bits: the base is quantized once as it loads (sljax.quant, a group at a time, resident and streamed
