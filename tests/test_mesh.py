@@ -147,7 +147,7 @@ def test_each_group_is_gathered_once_and_reduced_once_per_step_with_the_document
   model = tiny_model("bfloat16")
   cfg = EngineConfig(sub_batches=2, live_layers=1, grad_clip_norm=0.5)
   batch = make_batch(np.random.default_rng(0), 2 * n)
-  params = model.init(jax.random.key(0))
+  params = jax.jit(model.init)(jax.random.key(0))  # op by op it compiled a program per operation
 
   engine = Engine(model, optax.adamw(1e-3), cfg, placement(d, f))
   state = engine.from_params(params)
