@@ -597,6 +597,7 @@ def saved_arrays(step_dir) -> dict[str, tuple]:
           for entry in json.loads((step_dir / "state" / "manifest.json").read_text())["arrays"]}
 
 
+@pytest.mark.slow
 def test_an_engine_checkpoint_holds_each_layers_master_weights_and_optimizer_state_and_no_compute_copy(tmp_path):
   model = placement_model()
   offload = placed_step(model, ONE_DEVICE_HOST)
@@ -765,6 +766,7 @@ def engine_params(step_functions, state):
   return step_functions.step.__self__.params(state)  # the offload engine whose step it is
 
 
+@pytest.mark.slow
 def test_a_format_1_engine_checkpoint_is_refused_in_one_line_that_says_what_to_do(tmp_path):
   model = placement_model()
   offload = placed_step(model, TWO_GROUPS)

@@ -340,7 +340,8 @@ def test_int8_exchange_benchmark_variant_computes_what_the_engine_computes():
   assert rel_error(exact_grads, engine_grads) >= 100 * max(rel_error(variant_grads, engine_grads), 1e-6)
 
 
-@pytest.mark.parametrize("clip", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_non_finite_step_changes_nothing(clip):
   model, engine = shared_tiny_engine(sub_batches=2, live_layers=1, grad_clip_norm=clip, device_state_groups=1)
   state = engine.init(jax.random.key(0))
@@ -415,8 +416,8 @@ EVAL_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case == "opt-one-group-on-device"
-                                  else case for case in EVAL_CASES])
+@pytest.mark.parametrize("case", [case if case == "llama-4-sub-batches" else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in EVAL_CASES])
 def test_eval_loss_is_the_models_loss_fp32(case):
   """Forward only, layer-major, every sub-batch through each group's one fetch: model.loss on the same params and
   batch (masked tokens, and a batch whose weights are all 0), within 1e-6 in fp32."""
@@ -471,6 +472,7 @@ def test_a_step_after_an_eval_is_the_step_without_it_bit_for_bit(clip):
     np.testing.assert_array_equal(with_eval, without)
 
 
+@pytest.mark.slow
 def test_evaluate_applies_parked_updates_as_settle_does_bit_for_bit():
   """`evaluate` on a clipped step's state returns what `settle` returns, with the host groups' state streamed in
   ahead of their forward as the step does."""

@@ -573,6 +573,7 @@ def test_in_flight_waits_for_the_output_limit_calls_back_unless_donated_since():
     assert [x.waited for x in outputs] == [n >= 2, False, n >= 4, False, False]
 
 
+@pytest.mark.slow
 def test_a_plan_over_a_data_mesh_is_each_devices_plan_for_its_rows():
   """Over data:2 each device holds the whole base and adapters and runs half the rows: the plan for batch 8 is one
   device's plan for batch 4 (its bytes, tiers and times, a device's budget), its batch the whole; a batch it leaves
@@ -634,6 +635,7 @@ def test_flops_count_the_base_three_times_and_the_recompute_only_where_it_runs()
 XLA_EXTRA = 0.06
 
 
+@pytest.mark.slow
 def test_flops_per_token_are_xlas_count_of_the_steps_compiled_calls():
   """A 3-layer llama, one layer per group: the last group runs with no recompute, the two others recompute their
   forward in their backward. XLA's cost analysis of the engine's compiled calls (one sub-batch; a call's scan of one

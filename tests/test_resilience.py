@@ -220,7 +220,8 @@ class BadBatches:
     return dict(batch, weights=batch["weights"] * np.nan) if step + 1 in self.steps else batch
 
 
-@pytest.mark.parametrize("engine", ["device", pytest.param("offload", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["device", "offload"])
 def test_bad_steps_are_skipped_never_saved_and_stop_the_run_when_in_a_row(tmp_path, monkeypatch, engine):
   monkeypatch.setattr(launch, "make_source", lambda *args: BadBatches(make_source(*args), {3, 5, 6, 7}))
   with pytest.raises(SystemExit) as stopped:

@@ -240,6 +240,7 @@ def test_training_starts_from_hugging_face_weights(tmp_path, engine):
   np.testing.assert_allclose(history[1], want, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,local", [("data:1", 1), ("data:2", 2), ("data:2,fsdp:2", 4)])
 def test_host_budget_is_split_among_the_process_devices(tmp_path, capsys, mesh, local):
   # Every device keeps its own share of the host-resident state (a whole copy under data parallel): one process's
