@@ -382,7 +382,8 @@ def test_a_clipped_step_holds_one_steps_parked_gradients_not_two():
   assert max(peaks[1:]) - peaks[0] < parked / 2, (peaks, parked)  # measured: equal; holding them: + parked
 
 
-@pytest.mark.parametrize("clip", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_a_state_the_caller_drops_is_freed_whole(clip):
   """The engine keeps no reference to a state's buffers past their use: after `del state` no array of it is left in
   device or pinned host memory, so a state restored in the same process has the memory the dropped one had."""

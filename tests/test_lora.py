@@ -319,6 +319,7 @@ def test_the_state_holds_two_arrays_a_projection_whatever_the_layers_and_groups(
   assert shapes[0] == shapes[1]
 
 
+@pytest.mark.slow
 def test_a_plan_keeps_more_of_a_quantized_base_resident():
   """The plan sizes a layer as the engine holds it (int4 codes and scales: a sixth of an fp32 layer here), so a
   device too small for the whole fp32 base holds the whole int4 one."""
@@ -332,6 +333,7 @@ def test_a_plan_keeps_more_of_a_quantized_base_resident():
   assert "int4 codes with scales" in int4.describe() and "codes" not in fp32.describe()
 
 
+@pytest.mark.slow
 def test_a_plan_with_the_whole_base_resident_keeps_residuals_in_the_longest_tail_that_fits():
   """Device memory left once the whole base is resident goes to a tail whose layers are not recomputed: all of them
   where it holds them (no stash, a backward of input gradients alone), else as many as fit, not one more."""

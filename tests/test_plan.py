@@ -156,6 +156,7 @@ def test_clipping_parks_each_groups_gradient_where_its_state_lives(hidden, kept)
   assert sum(clipped.device_bytes.values()) <= budget.device_bytes
 
 
+@pytest.mark.slow
 def test_optimizer_state_is_sized_from_the_optimizer():
   rows = {"w": jax.ShapeDtypeStruct((3, 300), jnp.float32)}  # two blocks of 8-bit codes a row, the second padded
   assert optimizer_state_bytes(optax.adamw(1e-3), rows) == 8 * 900
