@@ -37,6 +37,7 @@ exactly the plain step's.
 """
 
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -197,6 +198,12 @@ class _LoraModelCalls:
     return dx, add_group(grads, d_adapters, start)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(group, layer, index):
+  """`group` (stacked layers, donated) with `layer` (one layer, stacked) written at `index`."""
+  return jax.tree.map(lambda g, x: jax.lax.dynamic_update_slice_in_dim(g, x, index, 0), group, layer)
+
+
 class _LoraOptimizerCalls:
   """An engine's jitted optimizer calls on a mesh: the update of every adapter at once, and its state's init."""
 
@@ -293,7 +300,8 @@ class LoraEngine:
     outer_key, layers_key = jax.random.split(key)
     keys = jax.random.split(layers_key, self.model.cfg.num_layers)
     self.base = {"outer": self._init_outer(outer_key),
-                 "groups": [self._home(g, self._init_base_layers(keys[a:b])) for g, (a, b) in enumerate(self.groups)]}
+                 "groups": [self._group_base(g, lambda a, b: self._init_base_layers(keys[a:b]))
+                            for g in range(len(self.groups))]}
 
   def load_base(self, params):
     """The base from full base-model params ({"outer", "layers"}, numpy or jax) or a reader with outer() and
@@ -304,7 +312,24 @@ class LoraEngine:
                                      layer_compute_dtypes(self.model.base, tree))
     hold = (lambda tree: self._hold(cast(tree))) if self.model.lora.base_bits else cast
     self.base = {"outer": self.place.to_device(jax.tree.map(np.asarray, reader.outer())),
-                 "groups": [self._home(g, hold(reader.layers(a, b))) for g, (a, b) in enumerate(self.groups)]}
+                 "groups": [self._group_base(g, lambda a, b: hold(reader.layers(a, b)))
+                            for g in range(len(self.groups))]}
+
+  def _group_base(self, g: int, layers):
+    """Group g's base at its home from layers(a, b), base layers [a, b) (numpy, or held on the device). A group on
+    the device that holds several layers (the tail: up to the whole model) is made a layer at a time into its own
+    buffers: made whole, one call would hold the group in bf16 and its compression's scratch (a llama70b tail of 80
+    int4 layers: a 121 GiB call, where the layers held take 33)."""
+    start, stop = self.groups[g]
+    if not self.resident[g] or stop - start == 1:
+      return self._home(g, layers(start, stop))
+    group = None
+    for i in range(start, stop):
+      layer = self.place.to_device(layers(i, i + 1))
+      if group is None:
+        group = jax.tree.map(lambda x: jnp.zeros((stop - start, *x.shape[1:]), x.dtype, device=x.sharding), layer)
+      group = _write_layer(group, layer, i - start)
+    return group
 
   def base_params(self) -> dict:
     """The base as full-model params as the engine holds it (a quantized base's kernels as codes and scales), numpy
