@@ -258,7 +258,8 @@ def choose_lora_engine(request: Request, configs: Configs, mesh: jax.sharding.Me
                    devices=mesh.size)
   if planned:
     data_cfg = dataclasses.replace(data_cfg, batch_size=plan.batch)
-    why = "the fewest rows whose passes are compute-bound" if plan.compute_bound else "the most rows that fit"
+    why = plan.batch_why or ("the fewest rows whose passes are compute-bound" if plan.compute_bound
+                             else "the most rows that fit")
     print(f"note: batch {plan.batch}, the LoRA plan's: {why}")
   per_device = f" (per device, {local} on this host)" if mesh.size > 1 else ""
   print(f"plan for {model_name(launch)}, batch {data_cfg.batch_size} x {data_cfg.seq_len}{per_device}:\n"

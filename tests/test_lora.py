@@ -413,6 +413,37 @@ def test_a_plan_on_a_compressed_base_takes_the_fewest_sub_batches_that_keep_the_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 0])
+def test_a_plan_that_keeps_the_whole_model_as_tail_grows_its_sub_batches_where_a_compressed_base_dequantizes(
+    monkeypatch, bits):
+  """With the batch the plan's own and the whole model kept as the tail, a compressed base's sub-batches grow a row at
+  a time while that tail still fits: as many calls dequantize each layer for more tokens (here 2 sub-batches of 2
+  rows become 2 of 3, where 3 rows are the most the budget holds the whole tail for). An uncompressed base computes
+  the same per token at any rows and keeps its batch; a batch given is kept."""
+  from sljax.lora import plan as lora_plan
+  seq = 2048  # long rows: a tiny layer's matmuls outweigh its dequantize, as llama70b's do
+  monkeypatch.setattr(lora_plan, "SUB_BATCH_TOKENS", 4 * seq)  # 4 rows a call at most: the first batch tried is 4
+  monkeypatch.setattr(lora_plan, "MIN_TAIL_CALL_TOKENS", seq)  # a row a call
+  model = _model("llama", rank=2, num_layers=8, base_bits=bits)
+  three = plan_lora(model, seq, Budget(8 * GIB, GIB), batch=6, sub_batches=2)
+  assert three.engine.tail_layers == 8
+  budget = Budget(three.footprint.device_bytes, GIB)
+  with pytest.raises(ValueError, match="with a tail of 8 layers"):
+    plan_lora(model, seq, budget, batch=8, sub_batches=2, tail_layers=8)  # 4 rows a sub-batch: the tail no longer fits
+  chosen = plan_lora(model, seq, budget)
+  assert chosen.engine.tail_layers == 8 and chosen.engine.resident_layers == 8 and chosen.footprint.fits(budget)
+  per_token = lambda plan: sum(phase.compute_seconds for phase in plan.phases.values()) / plan.batch
+  if bits:
+    assert (chosen.batch, chosen.engine.sub_batches) == (6, 2)
+    assert "sub-batches of 3 rows" in chosen.batch_why
+    two = plan_lora(model, seq, budget, batch=4, sub_batches=2)
+    assert per_token(chosen) < per_token(two)
+  else:
+    assert chosen.batch == 4 and not chosen.batch_why
+  assert plan_lora(model, seq, budget, batch=4).batch == 4
+
+
+@pytest.mark.slow
 def test_lora_on_an_int4_base_fine_tunes_as_on_the_bf16_one(tmp_path):
   """benchmarks/qlora_quality.py's smoke: a tiny model pretrained 30 steps, then LoRA fine-tuned 10 steps on its bf16
   base and on the same base in int4, from the same adapters on the same batches. The int4 base is another model (its

@@ -35,6 +35,8 @@ class LoraPlan(NamedTuple):
   base_bits: int = 0  # LoraConfig.base_bits: the resident and streamed base layers' kernels as codes and scales
   layers: int = 0  # the model's
   devices: int = 1  # the data-parallel mesh's: each takes batch / devices rows, the bytes and times are one device's
+  # Where the plan chose the batch: why these rows (the fewest compute-bound, the most that fit, or sub-batches grown)
+  batch_why: str = ""
 
   @property
   def rows(self) -> int:
@@ -131,7 +133,8 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
   pinned host); and (batch 0) the fewest rows whose passes are compute-bound with a margin, else the most that fit.
   Then, where the whole base stays on the device, a tail (LoraEngineConfig.tail_layers; tail_layers: that one, 0
   none) as long as the memory left holds: its layers keep their residuals instead of being recomputed; with sub_batches
-  0, the batch split into more sub-batches where their longer tail makes the step's compute shorter.
+  0, the batch split into more sub-batches where their longer tail makes the step's compute shorter; and (batch 0)
+  where the tail is then the whole model, its sub-batches grown while it still is, if a token computes faster so.
   target: plan for one GPU of that machine (its rates; made on a CPU, the calls' compiled peak corrected by
   sljax.plan.gpu_peak_from_cpu, an estimate) instead of for this process's device. devices: the data-parallel mesh's
   size; the batch is then rows x devices, every device takes its rows of each sub-batch (max_rows: per device), and
@@ -266,4 +269,23 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
     plans.append(longest_tail(plan))
     if plans[-1].last_layers < layers:
       break
-  return min(plans, key=lambda plan: sum(phase.compute_seconds for phase in plan.phases.values()))
+  best = min(plans, key=lambda plan: sum(phase.compute_seconds for phase in plan.phases.values()))
+  return best if batch else _fuller_sub_batches(best, layout, layers, per_call, max_rows)
+
+
+def _fuller_sub_batches(plan: LoraPlan, layout, layers: int, per_call: int, max_rows: int) -> LoraPlan:
+  """A plan whose tail is the whole model, with its sub-batches grown a row at a time (per_call rows a call, max_rows
+  a step, at most) for as long as that tail still fits, where that makes a token's compute shorter: as many calls
+  dequantize a compressed base's layers for more tokens. (Without one, a token costs the same at any rows.)"""
+  per_token = lambda plan: sum(phase.compute_seconds for phase in plan.phases.values()) / plan.rows
+  n = plan.engine.sub_batches
+  if plan.last_layers < layers or plan.engine.activations_on_host:
+    return plan
+  for sub in range(plan.rows // n + 1, min(per_call, max_rows // n) + 1):
+    grown = layout(sub * n, n, layers)
+    if grown is None or grown.last_layers < layers or grown.engine.activations_on_host or (
+        per_token(grown) >= per_token(plan) * (1 - 1e-9)):
+      break
+    plan = grown._replace(batch_why=f"sub-batches of {sub} rows, the most that keep the whole model's residuals: "
+                                     f"the base is dequantized once a call for more tokens")
+  return plan
