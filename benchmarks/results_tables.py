@@ -258,6 +258,7 @@ def headline() -> str:
   placed, lora_mfu, lora_hfu = _lora_run(lora_run)
   peers = _load("generate_vs_peers_h200.json")["models"]
   qlora = _load("train_py_qlora_llama70b_h200.json")
+  qlora_batch = re.search(r"batch (\d+ x \d+)", qlora["plan"]).group(1)
 
   def rate(figures: dict, kind: str) -> str:
     return f"{figures[f'best_{kind}']['generated_tokens_per_s']:,.1f} tok/s"
@@ -281,8 +282,9 @@ def headline() -> str:
           [f"LoRA llama70b, rank {lora_run['lora_rank']}, {lora_run['batch']} x {lora_run['seq_len']} ({placed})",
            f"{lora_run['tokens_per_s']:,.0f} tok/s, {_percent(lora_mfu)} MFU, {_percent(lora_hfu)} HFU", "—", "—",
            "`lora_llama70b_h200.json`"],
-          ["QLoRA llama70b, `train.py --model=llama70b --lora_rank=16 --base_bits=4` (8 x 2048, the int4 base "
-           "resident)", f"{qlora['tokens_per_s_steady']:,.0f} tok/s, {_percent(qlora['mfu_steady'])} MFU, "
+          ["QLoRA llama70b, `train.py --model=llama70b --lora_rank=16 --base_bits=4` "
+           f"({qlora_batch}, the plan's; the int4 base resident)",
+           f"{qlora['tokens_per_s_steady']:,.0f} tok/s, {_percent(qlora['mfu_steady'])} MFU, "
            f"{_percent(qlora['hfu_steady'])} HFU", "—", "—", "`train_py_qlora_llama70b_h200.json`"],
           peers_row("llama70b", "compressed", "int4 weights"), peers_row("opt-66b", "compressed", "int4 weights"),
           peers_row("opt-66b", "exact", "16-bit weights")]
