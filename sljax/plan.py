@@ -30,14 +30,14 @@ MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
 # params): 3% is about 48K tokens a step there.
 ONCE_A_STEP_SHARE = 0.03
 
-# The measurements of compiled peaks on a GPU: llama13b, one layer per group, a sub-batch of 8 x 2048 rows, on the
-# H200, as XLA's temp + output bytes. The last group's call, when it ran as one call (its residuals in its scratch):
-# 8.5 GiB ("compiled step peak" in the plans of benchmarks/results/train_throughput_h200.json and
-# train_scaling*_h200x2.json, printed to 0.1 GiB). Another group's backward: 4.2 GiB, the 8.5 less the 4.3 that the
-# big_clip plan in train_throughput_h200.json takes away as "calls' scratch and parked grads never together" (there
-# the backward runs beside all the parked gradients, the last group's call beside none). See gpu_peak_from_cpu.
-GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(8.5 * GIB)
-GPU_BACKWARD_PEAK_BYTES = int(4.2 * GIB)
+# The measurements of compiled peaks on a GPU: llama13b (no remat), one layer per group, a sub-batch of 8 x 2048 rows,
+# on the H200 (jax 0.11.2), as XLA's temp + output bytes of the calls as the engine runs them now
+# (benchmarks/results/gpu_peak_calibration_h200.json, 2026-12-07, `python -m benchmarks.gpu_peak_calibration`): the
+# last group's calls as the one call they replace would hold them, its outputs, one layer's residuals and the most
+# scratch of its calls, 7.74 GiB (8.5 when the layer kept 0.95 GiB a 2048-token row of llama70b); another group's
+# backward, 4.65 GiB (4.2 then: the layer's backward now recomputes its norms). See gpu_peak_from_cpu.
+GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, 8_308_202_756
+GPU_BACKWARD_PEAK_BYTES = 4_998_084_240
 # The last group's residuals for one sub-batch: outputs of its layers' forward calls, each layer's its own buffers.
 RESIDUALS = "last group's residuals (one sub-batch)"
 # With clipping, what the residuals and the parked gradients count twice: the step never holds both.
@@ -206,32 +206,46 @@ def _step_peaks(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> StepP
                    _call_peak(model, "last_group", last_layers, sub_batch, seq_len), backward)
 
 
+def peak_calibration(model, rows: int, seq_len: int) -> dict:
+  """What GPU_PEAK_BYTES and GPU_BACKWARD_PEAK_BYTES hold, as this process's backend compiles `model`'s calls (one
+  layer a group, a sub-batch of rows x seq_len; nothing allocated): the (temp, output) bytes of the last group's calls
+  and of another group's backward, one layer's residuals, the last group's calls as the one call they replace (its
+  outputs, the residuals, the most scratch) and the backward's temp + output (benchmarks/gpu_peak_calibration.py)."""
+  sizes = lambda call: compiled_sizes(_peak_key(model, call, 1, rows, seq_len),
+                                      lambda: _lowered_calls(model, call, 1, rows, seq_len))
+  last, (backward,) = sizes("last_group"), sizes("backward")
+  residual = _residual_bytes(model, 1, rows, seq_len)
+  # The one call's outputs: the head's (the loss, dh, the embeddings' + head's gradient) and the backward's (dx, the
+  # layer's gradient) less dh, which was not one.
+  outputs = last[1][1] + last[2][1] - model_sizes(model).activation_bytes(rows, seq_len)
+  return {"last_group_calls_temp_out": last, "backward_temp_out": [backward], "residual_bytes": residual,
+          "last_group_outputs": outputs,
+          "gpu_peak_bytes_equivalent": outputs + residual + max(temp for temp, _ in last),
+          "gpu_backward_peak_bytes_equivalent": sum(backward)}
+
+
 def gpu_peak_from_cpu(cpu_peak: int, call: str = "last_group") -> int:
   """A GPU's compiled bytes of a call ("last_group": its residuals and scratch; "backward": its temp bytes) estimated
   from the CPU compiler's, for plans made on a CPU machine (--target).
 
-  XLA on CPU reports a much larger peak for the same call (30.3 GiB where the H200 reports 8.5 for llama13b's last
-  group at 8 x 2048 rows, and 27.2 where it reports 4.2 for a backward, temp + output; jax 0.10.2 on CPU): among
+  XLA on CPU reports a much larger peak for the same calls (35.0 GiB where the H200 reports 7.7 for llama13b's last
+  group at 8 x 2048 rows, and 28.0 where it reports 4.7 for a backward, temp + output; jax 0.10.2 on CPU): among
   others, its attention materializes the score matrices (a few fp32 copies of rows x heads x seq^2) where cuDNN flash
   attention keeps none. The correction is the ratio measured for the same calls: the GPU's temp bytes (GPU_PEAK_BYTES
   or GPU_BACKWARD_PEAK_BYTES less the call's outputs, whose shapes are the same on both) over this process's CPU
-  compile of those calls (compiled here, so it follows this jax's CPU compiler). The H200's last-group figure was
-  measured when that group ran as one call, its residuals part of its scratch; its CPU side is the residuals and the
-  largest scratch of the calls it runs as now, one layer's, which a one-layer group held in that one call too. It is
+  compile of those calls (compiled here, so it follows this jax's CPU compiler). The last-group figure is the one
+  call's those calls replace: their outputs, one layer's residuals and their largest scratch, on both sides. It is
   exact for that shape and model and an estimate elsewhere: it cannot know how the GPU's peak scales with seq_len
   (the CPU's attention part grows as seq^2, the GPU's does not, so at shorter sequences it undershoots), with other
   families (OPT), with several layers per group, or on another GPU or XLA version."""
   reference = build(dataclasses.replace(get_config(GPU_PEAK_MODEL), remat=False))
-  key = _peak_key(reference, call, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ)
-  sizes = compiled_sizes(key, lambda: _lowered_calls(reference, call, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ))
+  here = peak_calibration(reference, GPU_PEAK_ROWS, GPU_PEAK_SEQ)  # this process's CPU compile of the same calls
   if call == "last_group":
-    # The one call's outputs: the head's (the loss, dh, the embeddings' + head's gradient) and the backward's (dx,
-    # the layer's gradient) less dh, which was not one. Its CPU side: the residuals and the calls' most scratch.
-    outputs = sizes[1][1] + sizes[2][1] - model_sizes(reference).activation_bytes(GPU_PEAK_ROWS, GPU_PEAK_SEQ)
-    measured, cpu = GPU_PEAK_BYTES - outputs, _residual_bytes(reference, 1, GPU_PEAK_ROWS, GPU_PEAK_SEQ) + max(
-        temp for temp, _ in sizes)
+    # Without the one call's outputs, the same on both: the residuals and the calls' most scratch.
+    outputs = here["last_group_outputs"]
+    measured, cpu = GPU_PEAK_BYTES - outputs, here["gpu_peak_bytes_equivalent"] - outputs
   else:
-    (cpu, outputs), = sizes
+    (cpu, outputs), = here["backward_temp_out"]
     measured = GPU_BACKWARD_PEAK_BYTES - outputs
   return int(cpu_peak * measured / cpu)
 

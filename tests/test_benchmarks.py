@@ -156,3 +156,20 @@ def test_the_marked_result_tables_are_the_result_files_own(name):
 def test_every_result_table_has_one_home():
   homes = [table for tables in results_tables.FILES.values() for table in tables]
   assert sorted(homes) == sorted(results_tables.TABLES)
+
+
+def test_gpu_peak_calibration_smoke_gives_the_figures_sljax_plan_holds(tmp_path):
+  """The smoke compiles llama-tiny's calls: the last group's figure is its outputs + one layer's residuals + the most
+  scratch, the backward's its temp + outputs; the H200's file holds the constants sljax.plan corrects CPU plans by."""
+  result = benchmark_smoke("gpu_peak_calibration", tmp_path)
+  assert has_provenance(result, "gpu_peak_calibration") and result["model"] == "llama-tiny"
+  (fwd_temp, _), (head_temp, head_out), (back_temp, back_out) = result["last_group_calls_temp_out"]
+  assert 0 < result["residual_bytes"] < result["gpu_peak_bytes_equivalent"]
+  assert result["gpu_peak_bytes_equivalent"] >= result["residual_bytes"] + max(fwd_temp, head_temp, back_temp)
+  assert result["gpu_backward_peak_bytes_equivalent"] == sum(result["backward_temp_out"][0])
+  from sljax import plan
+  with open(os.path.join(REPO, "benchmarks/results/gpu_peak_calibration_h200.json")) as f:
+    h200 = json.load(f)
+  assert (h200["model"], h200["rows"], h200["seq"]) == (plan.GPU_PEAK_MODEL, plan.GPU_PEAK_ROWS, plan.GPU_PEAK_SEQ)
+  assert (h200["gpu_peak_bytes_equivalent"], h200["gpu_backward_peak_bytes_equivalent"]) == (
+      plan.GPU_PEAK_BYTES, plan.GPU_BACKWARD_PEAK_BYTES)
