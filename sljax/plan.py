@@ -30,14 +30,17 @@ MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
 # params): 3% is about 48K tokens a step there.
 ONCE_A_STEP_SHARE = 0.03
 
-# The measurements of compiled peaks on a GPU: llama13b (no remat), one layer per group, a sub-batch of 8 x 2048 rows,
-# on the H200 (jax 0.11.2), as XLA's temp + output bytes of the calls as the engine runs them now
-# (benchmarks/results/gpu_peak_calibration_h200.json, 2026-12-07, `python -m benchmarks.gpu_peak_calibration`): the
-# last group's calls as the one call they replace would hold them, its outputs, one layer's residuals and the most
-# scratch of its calls, 7.74 GiB (8.5 when the layer kept 0.95 GiB a 2048-token row of llama70b); another group's
-# backward, 4.65 GiB (4.2 then: the layer's backward now recomputes its norms). See gpu_peak_from_cpu.
-GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, 8_308_202_756
-GPU_BACKWARD_PEAK_BYTES = 4_998_084_240
+# The measurements of compiled peaks on a GPU: llama13b, one layer per group, a sub-batch of 8 x 2048 rows, on the
+# H200, as XLA's temp + output bytes. The last group's call, when it ran as one call (its residuals in its scratch):
+# 8.5 GiB ("compiled step peak" in the plans of benchmarks/results/train_throughput_h200.json and
+# train_scaling*_h200x2.json, printed to 0.1 GiB). Another group's backward: 4.2 GiB, the 8.5 less the 4.3 that the
+# big_clip plan in train_throughput_h200.json takes away as "calls' scratch and parked grads never together" (there
+# the backward runs beside all the parked gradients, the last group's call beside none). See gpu_peak_from_cpu.
+# Measured again on 2026-12-07 with the layer as it runs now (benchmarks/results/gpu_peak_calibration_h200.json, jax
+# 0.11.2): 7.74 and 4.65 GiB. Not switched yet: tests/test_train.py holds the README command's CPU plan against the
+# H200's own plan file (train_py_llama13b_plan_h200.json), which was made with the layer before; the two go together.
+GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(8.5 * GIB)
+GPU_BACKWARD_PEAK_BYTES = int(4.2 * GIB)
 # The last group's residuals for one sub-batch: outputs of its layers' forward calls, each layer's its own buffers.
 RESIDUALS = "last group's residuals (one sub-batch)"
 # With clipping, what the residuals and the parked gradients count twice: the step never holds both.
@@ -229,7 +232,8 @@ def gpu_peak_from_cpu(cpu_peak: int, call: str = "last_group") -> int:
   from the CPU compiler's, for plans made on a CPU machine (--target).
 
   XLA on CPU reports a much larger peak for the same calls (35.0 GiB where the H200 reports 7.7 for llama13b's last
-  group at 8 x 2048 rows, and 28.0 where it reports 4.7 for a backward, temp + output; jax 0.10.2 on CPU): among
+  group at 8 x 2048 rows, and 28.0 where it reports 4.7 for a backward, temp + output; jax 0.10.2 on CPU; the
+  constants still hold the figures from before, see them): among
   others, its attention materializes the score matrices (a few fp32 copies of rows x heads x seq^2) where cuDNN flash
   attention keeps none. The correction is the ratio measured for the same calls: the GPU's temp bytes (GPU_PEAK_BYTES
   or GPU_BACKWARD_PEAK_BYTES less the call's outputs, whose shapes are the same on both) over this process's CPU
