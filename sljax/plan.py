@@ -209,22 +209,26 @@ def _step_peaks(model, cfg: EngineConfig, sub_batch: int, seq_len: int) -> StepP
                    _call_peak(model, "last_group", last_layers, sub_batch, seq_len), backward)
 
 
-def peak_calibration(model, rows: int, seq_len: int) -> dict:
+def peak_calibration(model, rows: int, seq_len: int, calls=("last_group", "backward")) -> dict:
   """What GPU_PEAK_BYTES and GPU_BACKWARD_PEAK_BYTES hold, as this process's backend compiles `model`'s calls (one
-  layer a group, a sub-batch of rows x seq_len; nothing allocated): the (temp, output) bytes of the last group's calls
-  and of another group's backward, one layer's residuals, the last group's calls as the one call they replace (its
-  outputs, the residuals, the most scratch) and the backward's temp + output (benchmarks/gpu_peak_calibration.py)."""
+  layer a group, a sub-batch of rows x seq_len; nothing allocated), for each of `calls`: "last_group", the (temp,
+  output) bytes of its calls, one layer's residuals, the one call's outputs and the calls as that one call would hold
+  them (its outputs, the residuals, the most scratch); "backward", another group's backward's (temp, output) bytes
+  and their sum (benchmarks/gpu_peak_calibration.py)."""
   sizes = lambda call: compiled_sizes(_peak_key(model, call, 1, rows, seq_len),
                                       lambda: _lowered_calls(model, call, 1, rows, seq_len))
-  last, (backward,) = sizes("last_group"), sizes("backward")
-  residual = _residual_bytes(model, 1, rows, seq_len)
-  # The one call's outputs: the head's (the loss, dh, the embeddings' + head's gradient) and the backward's (dx, the
-  # layer's gradient) less dh, which was not one.
-  outputs = last[1][1] + last[2][1] - model_sizes(model).activation_bytes(rows, seq_len)
-  return {"last_group_calls_temp_out": last, "backward_temp_out": [backward], "residual_bytes": residual,
-          "last_group_outputs": outputs,
-          "gpu_peak_bytes_equivalent": outputs + residual + max(temp for temp, _ in last),
-          "gpu_backward_peak_bytes_equivalent": sum(backward)}
+  out = {}
+  if "last_group" in calls:
+    last, residual = sizes("last_group"), _residual_bytes(model, 1, rows, seq_len)
+    # The one call's outputs: the head's (the loss, dh, the embeddings' + head's gradient) and the backward's (dx,
+    # the layer's gradient) less dh, which was not one.
+    outputs = last[1][1] + last[2][1] - model_sizes(model).activation_bytes(rows, seq_len)
+    out.update(last_group_calls_temp_out=last, residual_bytes=residual, last_group_outputs=outputs,
+               gpu_peak_bytes_equivalent=outputs + residual + max(temp for temp, _ in last))
+  if "backward" in calls:
+    backward = sizes("backward")
+    out.update(backward_temp_out=backward, gpu_backward_peak_bytes_equivalent=sum(backward[0]))
+  return out
 
 
 def gpu_peak_from_cpu(cpu_peak: int, call: str = "last_group") -> int:
@@ -243,7 +247,7 @@ def gpu_peak_from_cpu(cpu_peak: int, call: str = "last_group") -> int:
   (the CPU's attention part grows as seq^2, the GPU's does not, so at shorter sequences it undershoots), with other
   families (OPT), with several layers per group, or on another GPU or XLA version."""
   reference = build(dataclasses.replace(get_config(GPU_PEAK_MODEL), remat=False))
-  here = peak_calibration(reference, GPU_PEAK_ROWS, GPU_PEAK_SEQ)  # this process's CPU compile of the same calls
+  here = peak_calibration(reference, GPU_PEAK_ROWS, GPU_PEAK_SEQ, (call,))  # this process's CPU compile of them
   if call == "last_group":
     # Without the one call's outputs, the same on both: the residuals and the calls' most scratch.
     outputs = here["last_group_outputs"]
