@@ -59,6 +59,11 @@ class LoraPlan(NamedTuple):
     return sum(pass_copy_seconds(self.machine, phase) for phase in self.phases.values())
 
   @property
+  def compute_seconds(self) -> float:
+    """The compute's time over a step, pass by pass."""
+    return sum(phase.compute_seconds for phase in self.phases.values())
+
+  @property
   def compute_bound(self) -> bool:
     return compute_bound(self.machine, list(self.phases.values()))
 
@@ -269,7 +274,7 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
     plans.append(longest_tail(plan))
     if plans[-1].last_layers < layers:
       break
-  best = min(plans, key=lambda plan: sum(phase.compute_seconds for phase in plan.phases.values()))
+  best = min(plans, key=lambda plan: plan.compute_seconds)
   return best if batch else _fuller_sub_batches(best, layout, layers, per_call, max_rows)
 
 
@@ -277,7 +282,7 @@ def _fuller_sub_batches(plan: LoraPlan, layout, layers: int, per_call: int, max_
   """A plan whose tail is the whole model, with its sub-batches grown a row at a time (per_call rows a call, max_rows
   a step, at most) for as long as that tail still fits, where that makes a token's compute shorter: as many calls
   dequantize a compressed base's layers for more tokens. (Without one, a token costs the same at any rows.)"""
-  per_token = lambda plan: sum(phase.compute_seconds for phase in plan.phases.values()) / plan.rows
+  per_token = lambda plan: plan.compute_seconds / plan.rows
   n = plan.engine.sub_batches
   if plan.last_layers < layers or plan.engine.activations_on_host:
     return plan
