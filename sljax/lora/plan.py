@@ -92,36 +92,38 @@ def held_layer_bytes(model: LoraModel) -> int:
   return tree_bytes(jax.eval_shape(lambda stacked: held_base(model, stacked), stacked_layer_shapes(model.base, 1)))
 
 
-def _lowered_calls(model: LoraModel, live_layers: int, last_layers: int, rows: int, seq_len: int) -> list:
-  """The step's per-sub-batch calls, lowered for one device at these shapes (nothing is allocated): the last group's
-  (a layer's forward keeping its residuals, the head + loss and its backward, a layer's backward) and, where there
-  are other groups, a backward (recompute + backward)."""
-  step = LoraEngine(model, optax.sgd(0.0), LoraEngineConfig(live_layers=live_layers)).calls  # one device's
+def _lowered_calls(model: LoraModel, call: str, layers: int, rows: int, seq_len: int) -> list:
+  """The step's per-sub-batch calls of `call`, lowered for one device at these shapes (nothing is allocated):
+  "last_group" (a layer's forward keeping its residuals, the head + loss and its backward, a layer's backward: the
+  calls the last group of `layers` layers runs) or "backward" (recompute + backward of a group of `layers` layers)."""
+  step = LoraEngine(model, optax.sgd(0.0), LoraEngineConfig()).calls  # one device's
   shape = lambda *s, dtype=model.cfg.dtype: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
   x = shape(rows, seq_len, model_sizes(model.base).hidden)
-  base_layers = lambda layers: stacked_layer_shapes(model.base, layers)
   # Every call takes the whole adapter stack and its gradient accumulators (the group's layers are sliced inside).
-  stack = jax.eval_shape(model.init_adapters, jax.random.key(0), base_layers(model.cfg.num_layers))
+  stack = jax.eval_shape(model.init_adapters, jax.random.key(0), stacked_layer_shapes(model.base, model.cfg.num_layers))
   grads, start = jax.eval_shape(step.zeros, stack), shape(dtype=jnp.int32)
-  held = lambda layers: jax.eval_shape(step.hold, base_layers(layers))
+  held = jax.eval_shape(step.hold, stacked_layer_shapes(model.base, layers))
+  if call == "backward":
+    return [step.backward.lower(held, stack, start, x, x, grads)]
   outer = model_sizes(model.base).outer_shapes
-  _, residuals = jax.eval_shape(step.tail_forward, held(last_layers), stack, start, start, x)
-  calls = [step.tail_forward.lower(held(last_layers), stack, start, start, x),
-           step.head.lower(outer, x, shape(rows, seq_len, dtype=jnp.int32), shape(rows, seq_len, dtype=jnp.float32),
-                           shape(dtype=jnp.float32)),
-           step.tail_backward.lower(held(last_layers), stack, start, start, residuals, x, grads)]
-  if model.cfg.num_layers > last_layers:
-    calls.append(step.backward.lower(held(live_layers), stack, start, x, x, grads))
-  return calls
+  _, residuals = jax.eval_shape(step.tail_forward, held, stack, start, start, x)
+  return [step.tail_forward.lower(held, stack, start, start, x),
+          step.head.lower(outer, x, shape(rows, seq_len, dtype=jnp.int32), shape(rows, seq_len, dtype=jnp.float32),
+                          shape(dtype=jnp.float32)),
+          step.tail_backward.lower(held, stack, start, start, residuals, x, grads)]
 
 
 def _call_peaks(model: LoraModel, live_layers: int, last_layers: int, rows: int, seq_len: int) -> tuple[int, int]:
   """(The most compiled scratch any of the step's calls needs for one sub-batch of rows, temp bytes; one layer's
   residuals in the last group, the outputs of its forward call less its output activation), as this process's
-  backend compiles them. The plan counts the calls' other outputs (dx, the adapters' gradients) as parts of its own."""
-  sizes = compiled_sizes((type(model.base), model.cfg, model.lora, live_layers, last_layers, rows, seq_len),
-                         lambda: _lowered_calls(model, live_layers, last_layers, rows, seq_len))
-  return max(temp for temp, _ in sizes), sizes[0][1] - model_sizes(model.base).activation_bytes(rows, seq_len)
+  backend compiles them. The plan counts the calls' other outputs (dx, the adapters' gradients) as parts of its own.
+  Cached by call: a search over tails compiles each tail's last-group calls, and the other groups' backward once."""
+  sizes = lambda call, layers: compiled_sizes((type(model.base), model.cfg, model.lora, call, layers, rows, seq_len),
+                                              lambda: _lowered_calls(model, call, layers, rows, seq_len))
+  last = sizes("last_group", last_layers)
+  backward = sizes("backward", live_layers) if model.cfg.num_layers > last_layers else []
+  return (max(temp for temp, _ in last + backward),
+          last[0][1] - model_sizes(model.base).activation_bytes(rows, seq_len))
 
 
 # The fewest tokens a sub-batch call of a tail plan takes (plan_lora): a llama70b layer's matmuls at 2048 tokens are
