@@ -193,6 +193,14 @@ class LayerMajorModel:
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
 
+  # Pure math: a model is its family and config. Two objects of one config are the same model, so what is compiled
+  # for one (sljax.schedule.shared_calls, functools caches) serves the other.
+  def __eq__(self, other) -> bool:
+    return type(self) is type(other) and self.cfg == other.cfg
+
+  def __hash__(self) -> int:
+    return hash((type(self), self.cfg))
+
   def without_remat(self) -> "LayerMajorModel":
     return type(self)(dataclasses.replace(self.cfg, remat=False))
 

@@ -348,20 +348,20 @@ def cast_layers(stacked, layer_dtypes):
   return jax.tree.map(lambda x, dtype: x.astype(dtype), stacked, layer_dtypes)
 
 
-# The jitted calls of the models (and optimizers) engines were made for lately, by model object and mesh: a new
-# engine of the same model (another split or placement, the same step again, the planner sizing the calls) finds
-# them traced and compiled. They hold their models alive, so only the latest few.
+# The jitted calls of the models (and optimizers) engines were made for lately, by model and mesh: a new engine of
+# the same model (another split or placement, the same step again, the planner sizing the calls, another object of
+# the same config) finds them traced and compiled. They hold their models alive, so only the latest few.
 SHARED_CALLS = 8
 _SHARED = collections.OrderedDict()  # key -> (the model's cfg when made, the calls)
 
 
 def shared_calls(key: tuple, cfg, make: Callable):
-  """make(), or what it made for the same key while the key's model had the same cfg object."""
+  """make(), or what it made for the same key while the key's model had the same (or an equal) cfg."""
   try:
     hit = _SHARED.get(key)
   except TypeError:  # an unhashable model or optimizer: its engine's own calls
     return make()
-  if hit is None or hit[0] is not cfg:
+  if hit is None or (hit[0] is not cfg and hit[0] != cfg):
     hit = _SHARED[key] = (cfg, make())
     while len(_SHARED) > SHARED_CALLS:
       _SHARED.popitem(last=False)
@@ -493,10 +493,14 @@ class Engine:
     layer_shapes, outer_shapes = sizes.layer_shapes, sizes.outer_shapes
     check_per_parameter(optimizer, layer_shapes, outer_shapes)
     self.place = placement or Placement.single()
-    # The jitted calls of this model object on this mesh (and of this optimizer and clipping), shared by all its
+    # The jitted calls of this model on this mesh (and of this optimizer and clipping), shared by all its
     # engines: another engine of the model, or the planner sizing its calls, traces and compiles none of them again.
-    calls = shared_calls(("model", model, self.place.mesh), model.cfg,
-                         lambda: _ModelCalls(model, sizes, self.place.mesh))
+    # Models that compare by value (models.common.LayerMajorModel) share them by the model they run: one with remat
+    # and its twin without, too.
+    key = model
+    if getattr(model.cfg, "remat", False) and model.without_remat() == model.without_remat():
+      key = model.without_remat()
+    calls = shared_calls(("model", key, self.place.mesh), key.cfg, lambda: _ModelCalls(model, sizes, self.place.mesh))
     updates = shared_calls(("optimizer", optimizer, cfg.grad_clip_norm, model, self.place.mesh), model.cfg,
                            lambda: _OptimizerCalls(optimizer, cfg.grad_clip_norm, sizes, self.place.mesh))
     model = calls.model  # without remat: per-layer remat inside a recomputed group would recompute twice

@@ -40,11 +40,11 @@ def model_sizes(model) -> ModelSizes:
   """Sizes of any models.common.TrainingModel from jax.eval_shape of its init_layers / init_outer / embed / layers
   (and init_cache, for a GenerationModel): nothing is allocated, no preset field is read. The FLOPs are the config's
   `flops_per_token(seq_len)` where it has one, else 6 x params + causal attention (6 L S D per token). Read once per
-  model object while its cfg stays the same object: a plan asks for them at every layout it tries."""
+  model object while its cfg stays the same (or an equal) one: a plan asks for them at every layout it tries."""
   check_model(model)
   try:
     cfg, sizes = _SIZES[model]
-    if cfg is model.cfg:
+    if cfg is model.cfg or cfg == model.cfg:
       return sizes
   except (KeyError, TypeError):  # not read yet, or a model that cannot be weakly referenced or hashed
     pass

@@ -305,8 +305,8 @@ def test_sizes_are_read_from_the_params_shapes(name):
 
 
 def test_sizes_are_read_once_per_model_and_again_for_a_new_cfg(monkeypatch):
-  """A plan asks for a model's sizes at every layout it tries: they are read once per model object, and again when
-  its cfg is replaced."""
+  """A plan asks for a model's sizes at every layout it tries: they are read once per model (objects of one config
+  are one model), and again when its cfg is replaced."""
   model = build(get_config("llama-tiny", {"num_layers": 2}))
   reads, read_sizes = [], sljax.sizes._read_sizes
   monkeypatch.setattr(sljax.sizes, "_read_sizes", lambda m: reads.append(m.cfg) or read_sizes(m))
@@ -314,7 +314,8 @@ def test_sizes_are_read_once_per_model_and_again_for_a_new_cfg(monkeypatch):
   assert planner.model_sizes(model) is first and len(reads) == 1
   model.cfg = dataclasses.replace(model.cfg, num_layers=3)
   assert planner.model_sizes(model).num_layers == 3 and len(reads) == 2
-  assert planner.model_sizes(build(model.cfg)).num_layers == 3 and len(reads) == 3  # another model object
+  assert planner.model_sizes(build(model.cfg)).num_layers == 3 and len(reads) == 2  # another object, the same model
+  assert planner.model_sizes(build(get_config("llama-tiny", {"num_layers": 4}))).num_layers == 4 and len(reads) == 3
 
 
 @pytest.mark.slow

@@ -69,6 +69,12 @@ class LoraModel:
     check_model(model)
     self.base, self.lora, self.cfg = model, lora, model.cfg
 
+  def __eq__(self, other) -> bool:  # as its base model's: the same base and adapters are the same model
+    return type(self) is type(other) and (self.base, self.lora) == (other.base, other.lora)
+
+  def __hash__(self) -> int:
+    return hash((type(self), self.base, self.lora))
+
   def without_remat(self) -> "LoraModel":
     return LoraModel(self.base.without_remat(), self.lora)
 
