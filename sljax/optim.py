@@ -259,10 +259,12 @@ def scale_by_adam_8bit(b1: float, b2: float, eps: float) -> optax.GradientTransf
   return optax.GradientTransformation(init, update)
 
 
+@functools.lru_cache(maxsize=16)
 def make_optimizer(cfg: OptimConfig, clip: bool = True) -> optax.GradientTransformation:
   """AdamW behind global-norm clipping; `clip=False` leaves the clipping to the caller (the offload engine clips
   over all layer groups itself, since it updates one group at a time). The chain is optax.adamw's, with the moments
-  kept as `cfg.moments_dtype` says."""
+  kept as `cfg.moments_dtype` says. One object per config: the plan and the step of a run (and every run of a config)
+  share the calls jitted for it (sljax.schedule.shared_calls)."""
   adam = (scale_by_adam_8bit(cfg.b1, cfg.b2, cfg.eps) if cfg.moments_dtype == INT8 else
           optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps, mu_dtype=jnp.dtype(cfg.moments_dtype)))
   adamw = optax.chain(adam, optax.add_decayed_weights(cfg.weight_decay),

@@ -66,37 +66,50 @@ class StepFunctions(NamedTuple):
   checkpoint_target: typing.Callable = lambda key: None
 
 
-def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.Device | None = None,
-                  mesh: jax.sharding.Mesh | None = None) -> StepFunctions:
-  """The whole model, its gradients and optimizer state on one device; one jitted call per step. With `mesh`: on
-  every device of it, each taking its rows of the batch (data parallel; XLA all-reduces the gradient)."""
-  sharding = (Placement(mesh).device() if mesh is not None
-              else jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))
+class _DeviceCalls:
+  """all_on_device's jitted calls of a model and optimizer, its state placed by `sharding`: init, load (params ->
+  state), step (donates the state) and eval_loss."""
 
-  def init(key):
-    params = model.init(key)
-    return {"params": params, "opt_state": optimizer.init(params)}
+  def __init__(self, model, optimizer: optax.GradientTransformation, sharding):
+    self.model, self.optimizer = model, optimizer
+    self.init = jax.jit(self._init_fn, out_shardings=sharding)
+    self.load = jax.jit(lambda params: {"params": params, "opt_state": optimizer.init(params)}, out_shardings=sharding)
+    self.step = jax.jit(self._step_fn, donate_argnums=0)
+    self.eval_loss = jax.jit(lambda state, batch: model.loss(state["params"], batch))
 
-  def load(params):
-    reader = params_reader(params)  # the whole model fits on the device here, so it fits in host RAM too
-    params = jax.device_put({"outer": reader.outer(), "layers": reader.layers(0, model.cfg.num_layers)}, sharding)
-    return jax.jit(lambda p: {"params": p, "opt_state": optimizer.init(p)}, out_shardings=sharding)(params)
+  def _init_fn(self, key):
+    params = self.model.init(key)
+    return {"params": params, "opt_state": self.optimizer.init(params)}
 
-  def step(state, batch):
-    loss, grads = jax.value_and_grad(model.loss)(state["params"], batch)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+  def _step_fn(self, state, batch):
+    loss, grads = jax.value_and_grad(self.model.loss)(state["params"], batch)
+    updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
     new_state = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
     finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
     keep_old = lambda new, old: jnp.where(finite, new, old)
     return jax.tree.map(keep_old, new_state, state), jnp.where(finite, loss, jnp.nan)
 
-  init = jax.jit(init, out_shardings=sharding)
-  step = jax.jit(step, donate_argnums=0)
-  eval_loss = jax.jit(lambda state, batch: model.loss(state["params"], batch))
+
+def all_on_device(model, optimizer: optax.GradientTransformation, device: jax.Device | None = None,
+                  mesh: jax.sharding.Mesh | None = None) -> StepFunctions:
+  """The whole model, its gradients and optimizer state on one device; one jitted call per step. With `mesh`: on
+  every device of it, each taking its rows of the batch (data parallel; XLA all-reduces the gradient). The calls are
+  shared by every step of the same model, optimizer and placement (another run of a config finds them compiled)."""
+  sharding = (Placement(mesh).device() if mesh is not None
+              else jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))
+  calls = schedule.shared_calls(("on device", model, optimizer, sharding), getattr(model, "cfg", None),
+                                lambda: _DeviceCalls(model, optimizer, sharding))
+
+  def load(params):
+    reader = params_reader(params)  # the whole model fits on the device here, so it fits in host RAM too
+    return calls.load(jax.device_put({"outer": reader.outer(), "layers": reader.layers(0, model.cfg.num_layers)},
+                                     sharding))
+
+  init, step, eval_loss = calls.init, calls.step, calls.eval_loss
   if mesh is not None:  # each device takes its rows of the batch
-    place, sharded_step, sharded_eval = Placement(mesh), step, eval_loss
-    step = lambda state, batch: sharded_step(state, place.to_device(batch, PER_DEVICE))
-    eval_loss = lambda state, batch: sharded_eval(state, place.to_device(batch, PER_DEVICE))
+    place = Placement(mesh)
+    step = lambda state, batch: calls.step(state, place.to_device(batch, PER_DEVICE))
+    eval_loss = lambda state, batch: calls.eval_loss(state, place.to_device(batch, PER_DEVICE))
   abstract = lambda key: jax.eval_shape(init, key)
   return StepFunctions(init, load, step, abstract, skips_bad_steps=True,
                        evaluate=lambda state, batch: (state, eval_loss(state, batch)),
