@@ -496,7 +496,7 @@ class Engine:
     # The jitted calls of this model on this mesh (and of this optimizer and clipping), shared by all its
     # engines: another engine of the model, or the planner sizing its calls, traces and compiles none of them again.
     # Models that compare by value (models.common.LayerMajorModel) share them by the model they run: one with remat
-    # and its twin without, too.
+    # and its twin without, too (two new twins compare equal only where models compare by value).
     key = model
     if getattr(model.cfg, "remat", False) and model.without_remat() == model.without_remat():
       key = model.without_remat()
