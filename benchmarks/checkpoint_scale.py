@@ -31,7 +31,7 @@ from absl import app, flags
 from etils import epath
 
 import sljax
-from benchmarks.common import batch_of, define_flags, provenance, write_results
+from benchmarks.common import TRAINING_SMOKE, batch_of, define_flags, provenance, write_results
 from models.presets import build, get_config
 from sljax.checkpoint import Checkpointer, StateHandler, StateRestore
 from sljax.checkpoint_layout import offload_view
@@ -64,8 +64,8 @@ HOST_EXTRA_BYTES_PER_PARAM = 6
 
 
 def model_config():
-  if FLAGS.smoke:
-    return get_config("llama-tiny", {"remat": False, "dtype": "float32"}), 4, 16
+  if FLAGS.smoke:  # the training benchmarks' CPU size: a state of 2 MiB, still many parts of the smoke's 128 KiB
+    return get_config("llama-tiny", {**TRAINING_SMOKE, "remat": False, "dtype": "float32"}), 4, 16
   cfg = get_config("llama13b", {"remat": False})
   free = _free_disk(FLAGS.workdir)
   outer = cfg.outer_param_count() * DISK_BYTES_PER_PARAM[FLAGS.moments_dtype]
