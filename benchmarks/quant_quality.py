@@ -63,8 +63,8 @@ def main(argv):
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  params = model.init(jax.random.key(0))
-  opt_state = optimizer.init(params)
+  params = jax.jit(model.init)(jax.random.key(0))  # op by op, init compiled a kernel per operation and shape
+  opt_state = jax.jit(optimizer.init)(params)
   losses = []
   for step in range(steps):
     params, opt_state, loss = train_step(params, opt_state, source.batch(step))
