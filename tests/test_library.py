@@ -1,6 +1,8 @@
 """sljax as a library: a model of one's own (examples/own_model.py, plain jax.numpy) trains as plain jax.grad + optax
 on the full batch does, plans, and generates; a model short of the contract is one error naming what it lacks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,14 @@ HUGE = sljax.Budget(device_bytes=1 << 50, host_bytes=1 << 50)
 MODEL = GPT(GPTConfig(vocab_size=64, hidden_size=32, num_heads=2, num_layers=3, max_positions=32))
 
 
+@functools.cache
+def params_of(outer_seed: int, layers_seed: int) -> dict:
+  """The model's params from two seeds, jitted once (op by op, its init compiled a kernel per operation and shape)."""
+  init = jax.jit(lambda outer_key, layers_key: {"outer": MODEL.init_outer(outer_key),
+                                                "layers": MODEL.init_layers(jax.random.split(layers_key, 3))})
+  return init(jax.random.key(outer_seed), jax.random.key(layers_seed))
+
+
 def engine_steps(optimizer, params, batches, **engine_cfg):
   engine = sljax.Engine(MODEL, optimizer, sljax.EngineConfig(**engine_cfg))
   state, losses = engine.from_params(params), []
@@ -33,7 +43,8 @@ def setup():
   batches = [random_batch(rng, 8, 16, MODEL.cfg.vocab_size) for _ in range(3)]
   for batch in batches:
     batch["weights"] = (rng.random(batch["weights"].shape) > 0.3).astype(np.float32)
-  return MODEL.init_outer(jax.random.key(1)), MODEL.init_layers(jax.random.split(jax.random.key(2), 3)), batches
+  params = params_of(1, 2)
+  return params["outer"], params["layers"], batches
 
 
 def test_own_model_trains_as_plain_jax_grad_on_the_full_batch(setup):
@@ -70,7 +81,7 @@ def test_own_model_plans_from_its_shapes():
 
 @pytest.mark.slow
 def test_own_model_generates_as_the_plain_loop():
-  params = {"outer": MODEL.init_outer(jax.random.key(3)), "layers": MODEL.init_layers(jax.random.split(jax.random.key(4), 3))}
+  params = params_of(3, 4)
   prompts = [[1, 2, 3, 4, 5], [7, 8]]
   sampling = SamplingConfig(max_new_tokens=4)
   want = generate_on_device(MODEL, params, prompts, sampling)
@@ -148,7 +159,7 @@ def test_own_model_plans_its_generation_from_its_shapes():
   chosen = plan(MODEL, 8, 4, 1 << 40, 1 << 40, batch=2)
   assert chosen.offload.resident_layers == 3 and "3 of 3 layers resident" in chosen.describe(MODEL)
   prompts, sampling = [[1, 2, 3], [4, 5]], SamplingConfig(max_new_tokens=4)
-  params = {"outer": MODEL.init_outer(jax.random.key(3)), "layers": MODEL.init_layers(jax.random.split(jax.random.key(4), 3))}
+  params = params_of(3, 4)
   generator = OffloadedGenerator(MODEL, chosen.offload)
   got = generator.generate(generator.load(jax.tree.map(np.asarray, params)), prompts, sampling)
   np.testing.assert_array_equal(got.tokens, generate_on_device(MODEL, params, prompts, sampling).tokens)
