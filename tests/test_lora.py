@@ -17,7 +17,7 @@ import sljax.lora.engine
 import sljax.lora.plan
 from sljax.checkpoint import Checkpointer
 from sljax.lora.checkpoint import MergedWeights, RandomBase, restore_view
-from sljax.lora.engine import LoraEngine, LoraEngineConfig, lora_flops_per_token
+from sljax.lora.engine import LoraEngine, LoraEngineConfig, lora_flops_per_token, lora_layer_flops
 from sljax.lora.model import LoraConfig, LoraModel, join_adapters, merge, split_adapters
 from sljax.footprint import GPU_MARGIN_BYTES, MARGIN, SCRATCH
 from sljax.lora.plan import STREAMED_IN_FLIGHT, held_layer_bytes, plan_lora
@@ -48,7 +48,12 @@ def _model(family: str, rank: int, dtype: str = "float32", num_layers: int | Non
 def _optimizer(name: str, clip: float):
   # sgd at 0.1: at 1.0 the second step's tiny gradients (at a point one large step away) differ by fp32 rounding
   # alone, by up to 5e-5 relative, even with one sub-batch, where the engine computes exactly the plain step's math.
-  tx = optax.sgd(0.1) if name == "sgd" else optax.adamw(1e-2, weight_decay=0.1)
+  # adamw's eps at 1e-4: adam moves an adapter whose gradient g is near eps by lr x g / (|g| + eps), so the sub-batch
+  # sum's rounding of g (up to ~2e-8 here, where gradients are ~4e-3) becomes lr x 2e-8 / eps of a step. At optax's
+  # 1e-8 one adapter of 2,496 (g = -1.7e-8; opt, 2 sub-batches, seed 30786) moved 1.4e-3 apart, a 1e-4 relative
+  # difference in the adapters where SGD's agree to 2e-8; at 1e-4 that is at most 2e-6, and the update still
+  # divides by sqrt(v) for nearly every adapter.
+  tx = optax.sgd(0.1) if name == "sgd" else optax.adamw(1e-2, eps=1e-4, weight_decay=0.1)
   return optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
 
 
@@ -174,8 +179,9 @@ def test_steps_on_a_quantized_base_equal_plain_lora_steps_on_the_dequantized_bas
       {"outer": base["outer"], "layers": join_adapters(dequantized["layers"], engine.adapters(state))},
       batches[0]))) <= 1e-6 * want_losses[0]
   jax.tree.map(np.testing.assert_array_equal, engine.base_params(), base)  # bit for bit
-  # The step ran on the codes: the same step on the unquantized base ends elsewhere.
-  assert rel_error(engine.adapters(state), _reference(plain, optimizer, params, adapters, batches)[1]) > 1e-3
+  # The step ran on the codes: the same step on the unquantized base ends elsewhere, ten times further than the
+  # tolerance above at least (int8: 5.5e-4).
+  assert rel_error(engine.adapters(state), _reference(plain, optimizer, params, adapters, batches)[1]) > 1e-4
 
 
 def _recording_gradients(engine) -> list:
@@ -342,8 +348,11 @@ def test_a_plan_with_the_whole_base_resident_keeps_residuals_in_the_longest_tail
   whole = plan_lora(model, 8, Budget(GIB, GIB), batch=4)
   assert none.last_layers == 1 and whole.engine.tail_layers == whole.last_layers == 8
   assert whole.device_bytes["stashed activations"] == 0
-  assert whole.phases["backward"].compute_seconds == pytest.approx(none.phases["forward"].compute_seconds)
-  assert none.phases["backward"].compute_seconds == pytest.approx(none.phases["forward"].compute_seconds * 15 / 8)
+  # The tail's backward runs each layer's gradients alone; a recomputing one runs 7 forwards again beside them.
+  layer, forward = lora_layer_flops(model, 8), none.phases["forward"].compute_seconds
+  gradients = forward * layer.backward / layer.forward
+  assert whole.phases["backward"].compute_seconds == pytest.approx(gradients)
+  assert none.phases["backward"].compute_seconds == pytest.approx(gradients + forward * 7 / 8)
   budget = Budget((none.footprint.device_bytes + whole.footprint.device_bytes) // 2, GIB)
   part = plan_lora(model, 8, budget, batch=4)
   assert 1 < part.engine.tail_layers < 8 and part.engine.resident_layers == 8 and part.footprint.fits(budget)
@@ -744,8 +753,8 @@ def test_a_plan_for_a_gpu_keeps_its_margin_and_corrects_the_cpu_compiled_peak(mo
   assert here.device_bytes[MARGIN] == 0
   assert there.device_bytes[MARGIN] == GPU_MARGIN_BYTES
   assert there.device_bytes[SCRATCH] == 3 * here.device_bytes[SCRATCH]
-  forward = there.phases["forward"].compute_seconds
-  assert forward == pytest.approx(4 * 8 * 2 * model_sizes(model.base).layer_params * 4
+  forward = there.phases["forward"].compute_seconds  # batch 4 of 8 tokens through 4 layers
+  assert forward == pytest.approx(4 * 8 * 4 * lora_layer_flops(model, 8).forward
                                   / (H200.peak_flops * H200.layer_efficiency))
 
 

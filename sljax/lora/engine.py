@@ -70,23 +70,35 @@ class LoraEngineConfig:
   tail_layers: int = 0
 
 
-def lora_flops_per_token(model: LoraModel, seq_len: int, recomputed_layers: int) -> StepFlops:
-  """FLOPs per token of one LoRA step, by full training's rule (sljax.metrics.StepFlops): model FLOPs (MFU) count
-  each layer's forward once and its backward: the base's matmuls forward and input gradient (2 + 2 x params; the
-  frozen base has no weight gradient), the adapters' forward, input and weight gradients (3 x 2 x params), causal
-  attention forward (2 S D) and backward (twice that); and the head's forward and input gradient. Hardware FLOPs
-  (HFU) add one more forward of each of the `recomputed_layers` layers the engine recomputes in its backward."""
+class LayerFlops(NamedTuple):
+  """FLOPs per token of one LoRA layer (lora_layer_flops)."""
+
+  forward: float  # the base's matmuls, the adapters' and causal attention, once
+  backward: float  # the input gradient of the frozen base, the adapters' input and weight gradients, attention's
+
+
+def lora_layer_flops(model: LoraModel, seq_len: int) -> LayerFlops:
+  """One layer's FLOPs per token: the base's matmuls forward and input gradient (2 + 2 x params; the frozen base has
+  no weight gradient), the adapters' forward, input and weight gradients (3 x 2 x params), causal attention forward
+  (2 S D) and backward (twice that). The metric (lora_flops_per_token) and the plan's compute time
+  (sljax.lora.plan) both count these."""
   sizes = model_sizes(model.base)
-  cfg, layers = model.cfg, model.cfg.num_layers
   probe = jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), 1)))
   base, adapters = split_adapters(probe)
   kernels = sum(x.size for path, x in traverse_util.flatten_dict(base).items() if path[-1] == "kernel")
   adapter_params = sum(x.size for x in jax.tree.leaves(adapters))
   attention = 2 * seq_len * sizes.hidden  # causal QK^T and AV of one forward
-  forward = 2 * kernels + 2 * adapter_params + attention
-  backward = 2 * kernels + 4 * adapter_params + 2 * attention
-  head = 4 * cfg.vocab_size * sizes.hidden if hasattr(cfg, "vocab_size") else 0
-  return step_flops(layers * (forward + backward) + head, forward, recomputed_layers)
+  return LayerFlops(forward=2 * kernels + 2 * adapter_params + attention,
+                    backward=2 * kernels + 4 * adapter_params + 2 * attention)
+
+
+def lora_flops_per_token(model: LoraModel, seq_len: int, recomputed_layers: int) -> StepFlops:
+  """FLOPs per token of one LoRA step, by full training's rule (sljax.metrics.StepFlops): model FLOPs (MFU) count
+  each layer's forward once and its backward (lora_layer_flops), and the head's forward and input gradient. Hardware
+  FLOPs (HFU) add one more forward of each of the `recomputed_layers` layers the engine recomputes in its backward."""
+  cfg, layer = model.cfg, lora_layer_flops(model, seq_len)
+  head = 4 * cfg.vocab_size * model_sizes(model.base).hidden if hasattr(cfg, "vocab_size") else 0
+  return step_flops(cfg.num_layers * (layer.forward + layer.backward) + head, layer.forward, recomputed_layers)
 
 
 def held_base(model: LoraModel, stacked) -> dict:

@@ -9,7 +9,7 @@ import optax
 
 from sljax.footprint import (MARGIN, SCRATCH, SUB_BATCH_TOKENS, Footprint, Pass, compiled_sizes, compute_bound,
                              dequantize_bytes, machine_for, margin_bytes, pass_copy_seconds)
-from sljax.lora.engine import LoraEngine, LoraEngineConfig, held_base, lora_groups
+from sljax.lora.engine import LoraEngine, LoraEngineConfig, held_base, lora_groups, lora_layer_flops
 from sljax.lora.model import LoraModel, split_adapters
 from sljax.machines import GIB, Budget, Machine
 from sljax.memory import tree_bytes
@@ -153,6 +153,7 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
                                         for peak in _call_peaks(model, live_layers, last_layers, rows, seq_len)]
   optimizer = optimizer or optax.adamw(1e-4)
   layers, layer = sizes.num_layers, held_layer_bytes(model)
+  flops = lora_layer_flops(model, seq_len)
   adapters = split_adapters(jax.eval_shape(lambda: model.init_layers(jax.random.split(jax.random.key(0), layers))))[1]
   outer = sizes.outer_shapes
   fixed = {MARGIN: margin_bytes(target),
@@ -177,11 +178,12 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
     act = sizes.activation_bytes(sub, seq_len)
     stash = (len(groups) - 1) * n * act  # every group's input but the last's
     scratch, residuals = peaks_of(sub, last_layers)
-    # One pass over the base: 2 FLOPs per parameter and token at the machine's layer efficiency. The backward
-    # recomputes the layers before the last group and runs every layer's input gradient; each pass copies every
-    # streamed layer in, the stash crosses once each way.
-    forward = rows * seq_len * 2 * sizes.layer_params * layers / (machine.peak_flops * machine.layer_efficiency)
-    backward = forward * (2 * layers - last_layers) / layers
+    # At the machine's layer efficiency: the forward runs every layer once, the backward every layer's gradients
+    # (lora_layer_flops: the base's input gradient, the adapters', attention's) and recomputes the layers before the
+    # last group. Each pass copies every streamed layer in, the stash crosses once each way.
+    seconds = rows * seq_len / (machine.peak_flops * machine.layer_efficiency)
+    forward = seconds * layers * flops.forward
+    backward = seconds * (layers * flops.backward + (layers - last_layers) * flops.forward)
     # A compressed base is dequantized by every sub-batch's call of each layer, once a pass: fewer, larger sub-batches
     # dequantize less.
     forward, backward = forward + n * layers * dequantize, backward + n * layers * dequantize
