@@ -181,9 +181,9 @@ def plan_lora(model: LoraModel, seq_len: int, budget: Budget, batch: int = 0, su
     # At the machine's layer efficiency: the forward runs every layer once, the backward every layer's gradients
     # (lora_layer_flops: the base's input gradient, the adapters', attention's) and recomputes the layers before the
     # last group. Each pass copies every streamed layer in, the stash crosses once each way.
-    seconds = rows * seq_len / (machine.peak_flops * machine.layer_efficiency)
-    forward = seconds * layers * flops.forward
-    backward = seconds * (layers * flops.backward + (layers - last_layers) * flops.forward)
+    per_token_flop = rows * seq_len / (machine.peak_flops * machine.layer_efficiency)  # seconds
+    forward = per_token_flop * layers * flops.forward
+    backward = per_token_flop * (layers * flops.backward + (layers - last_layers) * flops.forward)
     # A compressed base is dequantized by every sub-batch's call of each layer, once a pass: fewer, larger sub-batches
     # dequantize less.
     forward, backward = forward + n * layers * dequantize, backward + n * layers * dequantize
