@@ -132,7 +132,7 @@ def train(model, optim_cfg, source, steps: int, eval_batches: list[dict], varian
     return optax.apply_updates(params, updates), opt_state, loss
 
   params = jax.jit(model.init)(jax.random.key(FLAGS.seed))
-  opt_state = jax.jit(optimizer.init)(params)  # op by op, a kernel compiled per operation and leaf shape
+  opt_state = jax.jit(optimizer.init)(params)  # jitted: op by op it compiled a kernel per operation and leaf
   losses, start = [], time.perf_counter()
   for n in range(steps):
     params, opt_state, loss = step(params, opt_state, source.batch(n))

@@ -63,7 +63,7 @@ def main(argv):
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  params = jax.jit(model.init)(jax.random.key(0))  # op by op, init compiled a kernel per operation and shape
+  params = jax.jit(model.init)(jax.random.key(0))  # jitted: op by op it compiled a kernel per operation and shape
   opt_state = jax.jit(optimizer.init)(params)
   losses = []
   for step in range(steps):

@@ -116,7 +116,7 @@ def test_group_is_the_largest_divisor_of_the_contraction_axis_up_to_the_asked_si
 def test_only_kernels_are_compressed_and_the_bytes_shrink_as_documented(family, preset):
   model = build(get_config(preset, {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
                                    "num_kv_heads": 2}))
-  stacked = jax.jit(model.init_layers)(jax.random.split(jax.random.key(0), 2))  # op by op: a compile per op
+  stacked = jax.jit(model.init_layers)(jax.random.split(jax.random.key(0), 2))  # jitted: op by op it compiled each op
   bf16 = tree_bytes(jax.tree.map(lambda x: x.astype(jnp.bfloat16), stacked))
   kernels = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(stacked) if path[-1].key == "kernel")
   others = sum(x.size * 4 for path, x in jax.tree_util.tree_leaves_with_path(stacked) if path[-1].key != "kernel")
