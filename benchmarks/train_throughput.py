@@ -13,6 +13,8 @@ Cases (--cases; each recorded with tokens/s, MFU, hardware FLOPs utilization, pe
              moments, clipped by the global norm at 1.0; --big_sub_batches, else the plan's, for --host_memory_gib
   big_clip   llama13b as the README's `python train.py --model=llama13b` runs it (sljax.launch): the recipe's AdamW
              clipped at 1.0, and the batch, placement and first-moment dtype the plan then chooses
+  big_int8   llama13b as `python train.py --model=llama13b --moments_dtype=int8` runs it (issue 36's command), with
+             --big_int8_trade_state_for_tail and --big_int8_device_memory_gib passing train.py's flags of those names
   llama7b    llama7b, all 32 layers, as `python train.py --model=llama7b --engine=offload` runs it (the bare command
              runs the on-device step on an H200, which its training state fits); --llama7b_sub_batches and
              --llama7b_tail_layers pass train.py's --sub_batches and --tail_layers
@@ -69,10 +71,10 @@ from sljax.schedule import Engine
 from sljax.steps import offload_engine
 from sljax.trainer import RunConfig
 
-CASES = ("big", "big_like_deepspeed", "big_clip", "llama7b", "fits")
+CASES = ("big", "big_like_deepspeed", "big_clip", "big_int8", "llama7b", "fits")
 FITS_CASES = ("device_remat", "device_no_remat", "engine", "streamed", "per_micro_batch", "in_jit_scan")
 # The cases a trace can be taken of.
-ENGINE_CASES = ("big", "big_like_deepspeed", "big_clip", "llama7b", "fits/engine", "fits/streamed")
+ENGINE_CASES = ("big", "big_like_deepspeed", "big_clip", "big_int8", "llama7b", "fits/engine", "fits/streamed")
 
 define_flags("Tiny shapes: checks every code path on any machine in a minute or two.",
              out="Write the results JSON here (rewritten after every case).")
@@ -95,6 +97,9 @@ flags.DEFINE_string("trace_dir", "", "Keep the traces (jax.profiler, perfetto) h
                     "removed once read).")
 flags.DEFINE_float("host_memory_gib", 85, "Pinned host memory the plans of big and big_like_deepspeed may use "
                    "(below XLA's pinned pool limit; the others plan for the default host budget, as train.py does).")
+flags.DEFINE_bool("big_int8_trade_state_for_tail", False, "big_int8: train.py's --trade_state_for_tail.")
+flags.DEFINE_float("big_int8_device_memory_gib", 0, "big_int8: train.py's --device_memory_gib (0: the allocator's "
+                   "limit).")
 flags.DEFINE_integer("llama7b_sub_batches", 0, "llama7b: sub-batches per step, as train.py's --sub_batches (0: the "
                      "plan's).")
 flags.DEFINE_integer("llama7b_tail_layers", 0, "llama7b: layers in the last group, as train.py's --tail_layers (0: "
@@ -381,14 +386,16 @@ def big_case(name, seq, key):
         "predicted_transfer_s": plan.transfer_seconds})
 
 
-def as_train_py_case(name, preset, seq, key, sub_batches=0, tail_layers=0):
+def as_train_py_case(name, preset, seq, key, sub_batches=0, tail_layers=0, optim=None, **launch_flags):
   """The engine as `python train.py --model=<preset> --engine=offload --seq_len=<seq>` builds it: sljax.launch's
-  recipe, plan (batch, placement, first-moment dtype, for the default host budget) and optimizer, on one device."""
+  recipe, plan (batch, placement, first-moment dtype, for the default host budget) and optimizer, on one device.
+  optim: OptimConfig fields the command sets (as --moments_dtype); launch_flags: LaunchConfig's."""
   overrides = tuple(f"{field}={value}" for field, value in TRAINING_SMOKE.items()) if FLAGS.smoke else ()
   # Smoke: one row, where the plan would fill a sub-batch of 16384 tokens (512 rows of 32).
   data = {"seq_len": seq, **({"batch_size": TRAINING_SMOKE_ROWS} if FLAGS.smoke else {})}
   request = Request(LaunchConfig(model=preset, overrides=overrides, engine="offload", sub_batches=sub_batches,
-                                 tail_layers=tail_layers), RunConfig(steps=FLAGS.steps + 1), data=data)
+                                 tail_layers=tail_layers, **launch_flags), RunConfig(steps=FLAGS.steps + 1), data=data,
+                    optim=optim or {})
   printed = io.StringIO()  # what train.py prints of its choices: recorded with the result
   try:
     with contextlib.redirect_stdout(printed):
@@ -428,6 +435,10 @@ def main(argv):
       big_case(name, seq, key)
   if "big_clip" in FLAGS.cases:
     as_train_py_case("big_clip", "llama13b", seq, key)
+  if "big_int8" in FLAGS.cases:
+    as_train_py_case("big_int8", "llama13b", seq, key, optim={"moments_dtype": "int8"},
+                     trade_state_for_tail=FLAGS.big_int8_trade_state_for_tail,
+                     device_memory_gib=FLAGS.big_int8_device_memory_gib)
   if "llama7b" in FLAGS.cases:
     as_train_py_case("llama7b", "llama7b", seq, key, FLAGS.llama7b_sub_batches, FLAGS.llama7b_tail_layers)
   if "fits" in FLAGS.cases:

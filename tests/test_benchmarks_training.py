@@ -18,8 +18,8 @@ def train_throughput(tmp_path_factory) -> dict:
   """One smoke results file made as the GPU run makes it: the engine cases in one process (big traced), the model that
   fits in another, --merge collecting both."""
   tmp_path = tmp_path_factory.mktemp("train_throughput")
-  benchmark_smoke("train_throughput", tmp_path, "--cases=big,big_like_deepspeed,big_clip,llama7b", "--steps=1",
-                  "--big_batch=2", "--big_sub_batches=2")
+  benchmark_smoke("train_throughput", tmp_path, "--cases=big,big_like_deepspeed,big_clip,big_int8,llama7b", "--steps=1",
+                  "--big_batch=2", "--big_sub_batches=2", "--big_int8_trade_state_for_tail")
   return benchmark_smoke("train_throughput", tmp_path, "--cases=fits", "--merge", "--steps=1",
                          "--fits_cases=device_remat,device_no_remat,engine,per_micro_batch")
 
@@ -34,7 +34,7 @@ def by_case(result: dict) -> dict:
 def test_train_throughput_smoke_runs_every_case_and_merges_the_runs(train_throughput):
   assert has_provenance(train_throughput, "train_throughput") and train_throughput["device"] == "cpu"
   cases = by_case(train_throughput)
-  assert list(cases) == ["big", "big_like_deepspeed", "big_clip", "llama7b", "fits/device_remat",
+  assert list(cases) == ["big", "big_like_deepspeed", "big_clip", "big_int8", "llama7b", "fits/device_remat",
                          "fits/device_no_remat", "fits/engine", "fits/per_micro_batch"]
   assert all(case["tokens_per_s"] > 0 and case["losses"][0] > 0 and 0 < case["mfu"] <= case["hfu"]
              for case in cases.values())
@@ -57,7 +57,7 @@ def test_train_throughput_smoke_runs_big_like_deepspeed_with_the_baselines_optim
 
 @pytest.mark.slow
 def test_train_throughput_smoke_records_the_kernel_ceilings_beside_each_engine_step(train_throughput):
-  for name in ("big", "big_clip", "llama7b", "fits/engine"):
+  for name in ("big", "big_clip", "big_int8", "llama7b", "fits/engine"):
     case = by_case(train_throughput)[name]
     assert case["ceiling_mfu_full_recompute"] > 0 and case["ceiling_mfu_residuals_kept"] > 0
     assert case["ceiling_mfu_schedule_sustained"] > 0 and case["ceiling_mfu_full_recompute_sustained"] > 0
@@ -71,10 +71,11 @@ def test_train_throughput_smoke_records_the_kernel_ceilings_beside_each_engine_s
 def test_train_throughput_smoke_runs_big_clip_and_llama7b_as_train_py_would(train_throughput):
   cases = by_case(train_throughput)
   assert cases["big"]["engine"]["grad_clip_norm"] == 0
-  for name, preset in (("big_clip", "llama13b"), ("llama7b", "llama7b")):
+  for name, preset in (("big_clip", "llama13b"), ("big_int8", "llama13b"), ("llama7b", "llama7b")):
     assert cases[name]["engine"]["grad_clip_norm"] == 1.0 and "clip 1," in cases[name]["optimizer"]
     # The smoke gives the batch (one row); on a GPU the plan chooses it.
     assert any(line.startswith(f"plan for {preset}, batch 1 x ") for line in cases[name]["launch_output"])
+  assert "8-bit moments" in cases["big_int8"]["optimizer"] and "8-bit" not in cases["big_clip"]["optimizer"]
 
 
 @pytest.mark.slow
@@ -103,7 +104,7 @@ def test_train_throughput_names_an_unknown_case(tmp_path):
   done = subprocess.run([sys.executable, "-m", "benchmarks.train_throughput", "--smoke", "--cases=big,bigg"],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
   assert done.returncode != 0
-  assert "--cases: unknown bigg; choose from big, big_like_deepspeed, big_clip, llama7b, fits" in done.stderr
+  assert "--cases: unknown bigg; choose from big, big_like_deepspeed, big_clip, big_int8, llama7b, fits" in done.stderr
 
 
 @pytest.mark.slow
