@@ -31,16 +31,13 @@ MAX_ROWS = 1024  # per device: the largest batch plan_batch tries
 ONCE_A_STEP_SHARE = 0.03
 
 # The measurements of compiled peaks on a GPU: llama13b, one layer per group, a sub-batch of 8 x 2048 rows, on the
-# H200, as XLA's temp + output bytes. The last group's call, when it ran as one call (its residuals in its scratch):
-# 8.5 GiB ("compiled step peak" in the plans of benchmarks/results/train_throughput_h200.json and
-# train_scaling*_h200x2.json, printed to 0.1 GiB). Another group's backward: 4.2 GiB, the 8.5 less the 4.3 that the
-# big_clip plan in train_throughput_h200.json takes away as "calls' scratch and parked grads never together" (there
-# the backward runs beside all the parked gradients, the last group's call beside none). See gpu_peak_from_cpu.
-# Measured again on 2026-12-07 with the layer as it runs now (benchmarks/results/gpu_peak_calibration_h200.json, jax
-# 0.11.2): 7.74 and 4.65 GiB. Not switched yet: tests/test_train.py holds the README command's CPU plan against the
-# H200's own plan file (train_py_llama13b_plan_h200.json), which was made with the layer before; the two go together.
-GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(8.5 * GIB)
-GPU_BACKWARD_PEAK_BYTES = int(4.2 * GIB)
+# H200 (jax 0.11.2, 2026-12-07, benchmarks/results/gpu_peak_calibration_h200.json), as XLA's temp + output bytes of
+# the layer as it runs now. The last group's calls, counted as if they ran as one call with its residuals in its
+# scratch: 7.74 GiB. Another group's backward: 4.65 GiB. See gpu_peak_from_cpu. (Until 2026-12-07: 8.5 and 4.2 GiB,
+# from the plans of train_throughput_h200.json, made with the layer before; the H200's own --plan of the same command,
+# train_py_llama13b_plan_h200.json, was made again with the layer of now: tests/test_train.py holds the two together.)
+GPU_PEAK_MODEL, GPU_PEAK_ROWS, GPU_PEAK_SEQ, GPU_PEAK_BYTES = "llama13b", 8, 2048, int(7.74 * GIB)
+GPU_BACKWARD_PEAK_BYTES = int(4.65 * GIB)
 # The last group's residuals for one sub-batch: outputs of its layers' forward calls, each layer's its own buffers.
 RESIDUALS = "last group's residuals (one sub-batch)"
 # With clipping, what the residuals and the parked gradients count twice: the step never holds both.
