@@ -13,7 +13,7 @@ import time
 
 import jax
 import numpy as np
-from absl import flags
+from absl import flags, logging
 
 from sljax.machines import xla_memory_env
 
@@ -46,7 +46,8 @@ def batch_of(rows: int, seq: int, vocab: int, seed: int | np.random.Generator = 
 
 def timed(step, state, batch, steps: int):
   """(median seconds per step, each step's seconds, losses, state) of `steps` steps after one warm-up step; waits
-  for the device only at the end of each step."""
+  for the device only at the end of each step, which it logs with the time of day (to lay beside a trace or the
+  allocator's log)."""
   state, loss = step(state, batch)
   jax.block_until_ready(loss)
   times, losses = [], []
@@ -55,6 +56,7 @@ def timed(step, state, batch, steps: int):
     state, loss = step(state, batch)
     losses.append(float(loss))  # waits for the step
     times.append(time.perf_counter() - start)
+    logging.info("timed step %d of %d: %.3f s", len(times), steps, times[-1])
   return statistics.median(times), times, losses, state
 
 
