@@ -16,6 +16,7 @@ import numpy as np
 from absl import flags, logging
 
 from sljax.machines import xla_memory_env
+from sljax.memory import resident_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
@@ -47,7 +48,7 @@ def batch_of(rows: int, seq: int, vocab: int, seed: int | np.random.Generator = 
 def timed(step, state, batch, steps: int):
   """(median seconds per step, each step's seconds, losses, state) of `steps` steps after one warm-up step; waits
   for the device only at the end of each step, which it logs with the time of day (to lay beside a trace or the
-  allocator's log)."""
+  allocator's log) and the process's resident host memory, whose pinned pools grow in it."""
   state, loss = step(state, batch)
   jax.block_until_ready(loss)
   times, losses = [], []
@@ -56,7 +57,8 @@ def timed(step, state, batch, steps: int):
     state, loss = step(state, batch)
     losses.append(float(loss))  # waits for the step
     times.append(time.perf_counter() - start)
-    logging.info("timed step %d of %d: %.3f s", len(times), steps, times[-1])
+    logging.info("timed step %d of %d: %.3f s; host RSS %.1f GiB", len(times), steps, times[-1],
+                 resident_bytes() / 2**30)
   return statistics.median(times), times, losses, state
 
 

@@ -401,9 +401,10 @@ def as_train_py_case(name, preset, seq, key, sub_batches=0, tail_layers=0, optim
     with contextlib.redirect_stdout(printed):
       configs = launch.resolve(request)
       one_device = make_mesh({"data": 1, "fsdp": 1}, jax.devices()[:1])
-      model_cfg, data_cfg, optim_cfg, engine_cfg = launch.choose_engine(request, configs, one_device)
+      model_cfg, data_cfg, optim_cfg, engine_cfg, pinned_bytes = launch.choose_engine(request, configs, one_device)
   finally:
     print(printed.getvalue(), end="", flush=True)
+  launch.grow_pinned_pools(one_device, pinned_bytes)  # as train.py does before its first step
   engine = offload_engine(build(model_cfg), optim_cfg, engine_cfg)
   result = run_engine(name, engine, batch_of(data_cfg.batch_size, seq, model_cfg.vocab_size), FLAGS.steps, key)
   keep({**result, "optimizer": optim_cfg.describe(), "launch_output": printed.getvalue().splitlines()})

@@ -16,6 +16,7 @@ flags are those fields.
 
 import dataclasses
 import os
+import time
 
 import jax
 from absl import logging
@@ -23,13 +24,14 @@ from absl import logging
 from models.config import ModelConfig
 from models.hf import HFWeights
 from models.presets import build, get_config, parse_overrides
-from sljax import metrics, trainer
+from sljax import memory, metrics, trainer
 from sljax.data import DataConfig, make_source
 from sljax.lora.engine import lora_flops_per_token
 from sljax.lora.checkpoint import describe_base
 from sljax.lora.model import LoraModel
 from sljax.lora.plan import plan_lora
-from sljax.machines import GIB, MACHINES, Budget, Machine, configure_process, default_budget, target_budget
+from sljax.machines import (GIB, MACHINES, PINNED_POOL_HEADROOM, Budget, Machine, configure_process, default_budget,
+                             pinned_pool_bytes, target_budget)
 from sljax.mesh import check_batch, initialize_distributed, make_mesh, parse_mesh
 from sljax.optim import RECIPES, OptimConfig, learning_rate_schedule, make_optimizer, recipe_for, run_decay_steps
 from sljax.plan import make_plan, plan_batch
@@ -143,8 +145,8 @@ def plan_budget(launch: LaunchConfig, device: jax.Device, target: Machine | None
 
 
 def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -> tuple:
-  """(model config, data config, optim config, EngineConfig or None for the all-on-device step; LoraEngineConfig
-  for a LoRA request). On the offload engine the plan settles what the request and the recipe leave open: the
+  """(model config, data config, optim config, EngineConfig or None for the all-on-device step (LoraEngineConfig
+  for a LoRA request), the pinned host bytes its plan counts for each device). On the offload engine the plan settles what the request and the recipe leave open: the
   batch, and a bf16 first moment where fp32 moments do not fit. Prints the plan (and a line for each choice) when
   offloading or fine-tuning adapters."""
   if request.lora is not None:
@@ -172,7 +174,7 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
                      f"--engine=offload to use them")
   if mode == "device" and not launch.plan:
     check_fits(model_name(launch), model_cfg, optim_cfg, device)
-    return model_cfg, data_cfg, optim_cfg, None
+    return model_cfg, data_cfg, optim_cfg, None, 0
   if mode == "device":
     print(f"note: training would run the on-device step (batch {data_cfg.batch_size}: the training state fits); "
           f"the plan below is the offload engine's (--engine=offload)")
@@ -225,7 +227,8 @@ def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -
   if target and device.platform == "cpu":
     print("compiled step peak: this CPU's compile of each call, scaled by the GPU/CPU ratio measured for that call "
           "on llama13b at 8 x 2048 (sljax.plan.gpu_peak_from_cpu): an estimate for other shapes")
-  return model_cfg, data_cfg, optim_cfg, dataclasses.replace(plan.engine, int8_exchange=launch.int8_exchange)
+  return (model_cfg, data_cfg, optim_cfg, dataclasses.replace(plan.engine, int8_exchange=launch.int8_exchange),
+          plan.footprint.host_bytes)
 
 
 def check_lora_request(launch: LaunchConfig):
@@ -264,7 +267,26 @@ def choose_lora_engine(request: Request, configs: Configs, mesh: jax.sharding.Me
   per_device = f" (per device, {local} on this host)" if mesh.size > 1 else ""
   print(f"plan for {model_name(launch)}, batch {data_cfg.batch_size} x {data_cfg.seq_len}{per_device}:\n"
         f"{plan.describe()}")
-  return model_cfg, data_cfg, configs.optim, plan.engine
+  return model_cfg, data_cfg, configs.optim, plan.engine, plan.footprint.host_bytes
+
+
+def has_pinned_pool(device: jax.Device) -> bool:
+  """Whether XLA keeps a pinned host pool for this device (a GPU's; on a CPU pinned host memory is plain RAM)."""
+  return device.platform == "gpu"
+
+
+def grow_pinned_pools(mesh: jax.sharding.Mesh, pinned_bytes: int):
+  """On GPUs, grows each local device's pinned host pool to what its plan counts there (PINNED_POOL_HEADROOM above
+  it, within the pool's cap) before the first step, so that no step waits while the pool pins more memory
+  (sljax.memory.grow_pinned_pools); logs what it held and how long that took. Elsewhere there is no such pool."""
+  devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index() and has_pinned_pool(d)]
+  if not (devices and pinned_bytes):
+    return
+  start = time.perf_counter()
+  held = memory.grow_pinned_pools(devices, min(int(pinned_bytes * PINNED_POOL_HEADROOM),
+                                               pinned_pool_bytes() - 2 * memory.POOL_CHUNK_BYTES))
+  logging.info("pinned host pool: grew to hold %.1f GiB a device (the plan counts %.1f) in %.1f s", held / GIB,
+               pinned_bytes / GIB, time.perf_counter() - start)
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
@@ -292,7 +314,7 @@ def prepare(request: Request) -> Job:
                        configs.run.eval_every > 0)  # held-out text too, for --eval_every
   # LoRA: one device unless --mesh asks for data parallel (check_lora_request refuses fsdp)
   mesh = make_mesh((launch.mesh or "data:1,fsdp:1") if request.lora is not None else launch.mesh)
-  model_cfg, data_cfg, optim_cfg, engine_cfg = choose_engine(request, configs, mesh)
+  model_cfg, data_cfg, optim_cfg, engine_cfg, pinned_bytes = choose_engine(request, configs, mesh)
   check_batch(data_cfg.batch_size, engine_cfg.sub_batches if engine_cfg else 1, mesh)
   if data_cfg != configs.data:  # the plan chose the batch: the corpus read stays, the windows per step change
     source = source.with_config(data_cfg)
@@ -305,7 +327,7 @@ def prepare(request: Request) -> Job:
     print(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, adapters on {', '.join(lora.targets) or 'every projection'} "
           f"of each layer; the frozen base: {describe_base(lora_meta(request, configs)['base'])}"
           + (f", its kernels as int{lora.base_bits} codes with scales" if lora.base_bits else ""))
-  return Job(request, configs, engine_cfg, mesh, source)
+  return Job(request, configs, engine_cfg, mesh, source, pinned_bytes)
 
 
 def train(job: Job) -> dict[int, float]:
@@ -318,6 +340,7 @@ def train(job: Job) -> dict[int, float]:
           "model_config": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
           "optim": dataclasses.asdict(optim_cfg)}
   learning_rate = learning_rate_schedule(optim_cfg)
+  grow_pinned_pools(job.mesh, job.pinned_bytes)
   if request.lora is not None:  # the weights are the frozen base, held by the engine; the state starts fresh
     engine = lora_engine(model_cfg, optim_cfg, request.lora, job.engine, weights, data_cfg.seed, job.mesh)
     recomputed = model_cfg.num_layers - (engine.groups[-1][1] - engine.groups[-1][0])  # all but the last group's

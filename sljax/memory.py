@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -246,6 +247,41 @@ class InFlight:
       oldest = self.outputs.popleft()
       if not oldest.is_deleted():
         oldest.block_until_ready()
+
+
+# XLA's GPU client keeps each device's pinned host buffers in a pool that grows by pinning a new region, twice the last
+# one's size, whenever its free chunks cannot hold a buffer, and never shrinks. Pinning is slow: on this project's
+# machines a 32 GiB region took 15 s and a 64 GiB one 30 s (benchmarks/results/pinned_pool_*.json), and the call that
+# asked for the buffer waits that long, so a pool that grows in the middle of a run stops one step for as long.
+POOL_CHUNK_BYTES = 2**30
+
+
+def grow_pinned_pools(devices: Iterable[jax.Device], nbytes: int, chunk: int = POOL_CHUNK_BYTES) -> int:
+  """Has each device's pinned host pool hold `nbytes` at once, before a run's first step: allocates that much of
+  pinned host memory on each device in chunks (made on the device, copied out), holds it all, then frees it. XLA's
+  pool keeps the regions it grew, so the steps' buffers find them instead of growing the pool mid-run (what a GPU
+  plan counts in pinned host memory then costs its pinning once, here). Returns the bytes each device held at
+  once: fewer than asked where the pool ran out first (its cap, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB), which is logged,
+  not raised: the run itself may need less than its plan counts."""
+  chunks = -(-nbytes // chunk)
+  held: list[jax.Array] = []
+  counts = []
+  for device in devices:
+    make = jax.jit(functools.partial(jnp.zeros, (chunk,), jnp.uint8),
+                   out_shardings=jax.sharding.SingleDeviceSharding(device, memory_kind=HOST))
+    count = 0
+    try:
+      for count in range(1, chunks + 1):
+        held.append(make())
+        held[-1].block_until_ready()  # fails here, not later, when the pool is out of room
+    except jax.errors.JaxRuntimeError as error:
+      count -= 1
+      logging.warning("pinned host pool of %s: held %.1f GiB of the %.1f GiB asked (%s)", device,
+                      count * chunk / 2**30, nbytes / 2**30, str(error).splitlines()[0])
+    counts.append(count)
+  for x in held:
+    x.delete()
+  return min(counts, default=0) * chunk
 
 
 def resident_bytes() -> int:

@@ -128,3 +128,4 @@ class Job(NamedTuple):
   engine: EngineConfig | LoraEngineConfig | None  # None: the all-on-device step
   mesh: jax.sharding.Mesh
   source: Source
+  pinned_bytes: int = 0  # the pinned host memory the plan counts for each device (0: the on-device step)

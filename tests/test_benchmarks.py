@@ -104,6 +104,16 @@ def test_export_scale_smoke_exports_a_run_and_transformers_gives_its_logits(tmp_
   assert has_provenance(result, "export_scale")
 
 
+def test_pinned_pool_smoke_times_each_growth_and_a_pool_grown_first(tmp_path):
+  result = benchmark_smoke("pinned_pool", tmp_path)
+  assert has_provenance(result, "pinned_pool") and result["device"] and result["unit_bytes"] == 2**20
+  assert [row["bytes"] for row in result["growth"]] == [2**20, 8 * 2**20, 32 * 2**20]
+  assert all(row["first_s"] > 0 and row["again_s"] > 0 and row["resident_bytes"] > 0 for row in result["growth"])
+  grown = result["grown_first"]
+  assert grown["asked_bytes"] == grown["held_bytes"] == 64 * 2**20 and grown["grow_s"] > 0
+  assert grown["buffer_bytes"] == 32 * 2**20 and grown["first_s"] > 0 and grown["again_s"] > 0
+
+
 @pytest.mark.slow
 def test_int4_matmul_smoke_times_every_variant_and_they_agree(tmp_path):
   result = benchmark_smoke("int4_matmul", tmp_path)

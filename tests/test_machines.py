@@ -4,6 +4,7 @@ import math
 import os
 import types
 
+import jax
 import pytest
 
 from sljax import machines
@@ -82,3 +83,27 @@ def test_unmeasured_gpus_keep_the_h200s_proportions():
   assert a100.generation_flops / a100.peak_flops == pytest.approx(H200.generation_flops / H200.peak_flops)
   assert a100.allocator_bytes < a100.memory_bytes and a100.layer_efficiency == H200.layer_efficiency
   assert machines.rates_of("NVIDIA A100-SXM4-80GB") is a100 and machines.rates_of("cpu") is machines.REFERENCE
+
+
+def test_growing_a_pinned_pool_holds_what_is_asked_in_chunks_at_once_then_frees_it():
+  from sljax.memory import HOST, grow_pinned_pools, live_bytes
+  before = live_bytes().get(HOST, 0)
+  assert grow_pinned_pools(jax.devices()[:1], 5 * 2**20 + 1, chunk=2**20) == 6 * 2**20  # whole chunks
+  assert grow_pinned_pools(jax.devices()[:1], 0, chunk=2**20) == 0
+  assert live_bytes().get(HOST, 0) == before  # nothing kept: the pool, not the arrays, is what stays
+
+
+def test_a_run_grows_each_gpus_pinned_pool_to_its_plan_with_headroom_within_the_cap(monkeypatch):
+  from sljax import launch, memory
+  from sljax.mesh import make_mesh
+  asked = []
+  monkeypatch.setattr(memory, "grow_pinned_pools", lambda devices, nbytes: asked.append((list(devices), nbytes)) or 0)
+  mesh = make_mesh({"data": 1, "fsdp": 1}, jax.devices()[:1])
+  launch.grow_pinned_pools(mesh, 10 * GIB)
+  assert asked == []  # a CPU keeps no pinned pool
+  monkeypatch.setattr(launch, "has_pinned_pool", lambda device: True)
+  monkeypatch.setenv(PINNED_POOL_ENV, "96")
+  launch.grow_pinned_pools(mesh, 10 * GIB)
+  launch.grow_pinned_pools(mesh, 90 * GIB)  # 99 GiB with the headroom: the cap, less two chunks, is the most
+  launch.grow_pinned_pools(mesh, 0)  # the on-device step counts none
+  assert asked == [(jax.devices()[:1], int(10 * GIB * machines.PINNED_POOL_HEADROOM)), (jax.devices()[:1], 94 * GIB)]
