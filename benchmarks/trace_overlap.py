@@ -26,6 +26,7 @@ IDLE_GAP_US = 100  # idle gaps at least this long are counted (shorter ones are 
 LARGEST_GAPS = 5  # the summary lists this many of the longest
 
 HOST_LEVELS = 4  # how many of the innermost events the dispatching thread was in are kept for each largest gap
+WINDOWS = 20  # the summary's timeline cuts the span into this many equal windows
 MODULES = 8  # the summary names this many of the jitted programs whose kernels take the most time
 # The profiler's own overhead: CUPTI flushing its activity buffers (CUPTI_ACTIVITY_OVERHEAD_CUPTI_BUFFER_FLUSH), a host
 # event of this name. While it runs, CUDA calls of the dispatching thread wait (seen on the H200: the thread held in
@@ -177,6 +178,15 @@ def compute_by_module(trace: dict) -> dict[str, float]:
   return top | ({"other": rest} if rest > 0 else {})
 
 
+def timeline(merged: dict, start: float, end: float, windows: int = WINDOWS) -> list[dict]:
+  """The span cut into `windows` equal windows, each with the fraction of it each lane was busy: where in the step
+  the GPU waited, and whether the copies were running flat out then."""
+  width = (end - start) / windows
+  cuts = [[start + i * width, start + (i + 1) * width] for i in range(windows)]
+  return [{"at_ms": (a - start) / 1e3, **{lane: overlap(m, [[a, b]]) / width for lane, m in merged.items()}}
+          for a, b in cuts]
+
+
 def summarize(trace: dict) -> tuple[dict, dict, float]:
   """(The summary, the merged lanes, the span's start in us). ValueError for a trace without GPU events."""
   merged = {name: union(intervals) for name, intervals in lanes(trace).items()}
@@ -199,8 +209,8 @@ def summarize(trace: dict) -> tuple[dict, dict, float]:
   return {"span_s": (end - start) / 1e6, "busy_s": busy, "copy_s": copy_seconds, "copy_hidden_by_compute_s": hidden,
           "copy_hidden_fraction": hidden / copy_seconds if copy_seconds else None,
           "compute_fraction_of_span": busy["compute"] * 1e6 / (end - start),
-          **gaps, "compute_threads": compute_threads(trace), "compute_s_by_module": compute_by_module(trace)
-          }, merged, start
+          **gaps, "compute_threads": compute_threads(trace), "compute_s_by_module": compute_by_module(trace),
+          "timeline": timeline(merged, start, end)}, merged, start
 
 
 def newest_trace(path: str) -> str:

@@ -54,6 +54,11 @@ def test_trace_overlap_smoke_finds_the_copies_hidden_by_compute_and_the_idle_gap
   assert result["compute_threads"] == {"Stream #7(Compute)": pytest.approx(200e-6)}  # the copies' line is not compute
   assert result["compute_s_by_module"] == {"jit_update": pytest.approx(100e-6), "jit_layers": pytest.approx(100e-6)}
   assert result["idle_while_profiler_flushed_s"] == pytest.approx(60e-6)
+  windows = result["timeline"]  # 20 windows of 20 us
+  assert [w["at_ms"] for w in windows] == pytest.approx([0.02 * i for i in range(20)])
+  assert [w["compute"] for w in windows] == pytest.approx([1] * 5 + [0] * 2 + [0.5, 1, 1] + [0] * 7 + [0.5, 1, 1])
+  assert windows[2]["host_to_device"] == pytest.approx(0.5) and windows[9]["device_to_host"] == pytest.approx(0.5)
+  assert sum(w["host_to_device"] for w in windows) * 20e-6 == pytest.approx(result["busy_s"]["host_to_device"])
   no_copies = {"host_to_device": 0.0, "device_to_host": 0.0}
   assert result["largest_idle_gaps"] == [
       {"ms": pytest.approx(0.15), "at_ms": pytest.approx(0.2), "copies_ms": no_copies,
