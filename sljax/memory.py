@@ -250,9 +250,10 @@ class InFlight:
 
 
 # XLA's GPU client keeps each device's pinned host buffers in a pool that grows by pinning a new region, twice the last
-# one's size, whenever its free chunks cannot hold a buffer, and never shrinks. Pinning is slow: on this project's
-# machines a 32 GiB region took 15 s and a 64 GiB one 30 s (benchmarks/results/pinned_pool_*.json), and the call that
-# asked for the buffer waits that long, so a pool that grows in the middle of a run stops one step for as long.
+# one's size, whenever its free chunks cannot hold a buffer, and never shrinks. Pinning is slow: on the project's H100
+# machine (128 GiB of RAM, as the H200's) a 32 GiB region took 19 s, 0.6 s a GiB (benchmarks/results/
+# pinned_pool_h100.json), and the call that asked for the buffer waits that long, so a pool that grows in the middle of
+# a run stops one step for as long.
 POOL_CHUNK_BYTES = 2**30
 
 
