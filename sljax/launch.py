@@ -146,9 +146,9 @@ def plan_budget(launch: LaunchConfig, device: jax.Device, target: Machine | None
 
 def choose_engine(request: Request, configs: Configs, mesh: jax.sharding.Mesh) -> tuple:
   """(model config, data config, optim config, EngineConfig or None for the all-on-device step (LoraEngineConfig
-  for a LoRA request), the pinned host bytes its plan counts for each device). On the offload engine the plan settles what the request and the recipe leave open: the
-  batch, and a bf16 first moment where fp32 moments do not fit. Prints the plan (and a line for each choice) when
-  offloading or fine-tuning adapters."""
+  for a LoRA request), the pinned host bytes its plan counts for each device). On the offload engine the plan
+  settles what the request and the recipe leave open: the batch, and a bf16 first moment where fp32 moments do not
+  fit. Prints the plan (and a line for each choice) when offloading or fine-tuning adapters."""
   if request.lora is not None:
     return choose_lora_engine(request, configs, mesh)
   launch, model_cfg, data_cfg, optim_cfg = request.launch, configs.model, configs.data, configs.optim
