@@ -21,12 +21,11 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks.common import define_flags, provenance, write_results
 from sljax.machines import GIB, configure_process
-from sljax.memory import HOST, grow_pinned_pools, resident_bytes
+from sljax.memory import grow_pinned_pools, pinned_buffer_maker, resident_bytes
 
 define_flags("MiB instead of GiB: checks the code paths on any machine in seconds.")
 flags.DEFINE_list("sizes_gib", ["1", "8", "32"], "Pinned buffers to make, in turn, in the growth part (GiB).")
@@ -41,9 +40,7 @@ def unit() -> int:
 
 def made(nbytes: int) -> float:
   """Seconds to make a pinned buffer of `nbytes` on the first device (then freed)."""
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST)
-  make = jax.jit(lambda: jnp.zeros((nbytes,), jnp.uint8), out_shardings=sharding)
-  make.lower().compile()  # the compile is not the allocation
+  make = pinned_buffer_maker(jax.devices()[0], nbytes)  # compiled first: the compile is not the allocation
   start = time.perf_counter()
   buffer = make()
   buffer.block_until_ready()

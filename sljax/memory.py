@@ -257,6 +257,13 @@ class InFlight:
 POOL_CHUNK_BYTES = 2**30
 
 
+def pinned_buffer_maker(device: jax.Device, nbytes: int) -> Callable[[], jax.Array]:
+  """A compiled call that makes a buffer of `nbytes` (zeros) in `device`'s pinned host memory: made on the device,
+  copied out."""
+  sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=HOST)
+  return jax.jit(functools.partial(jnp.zeros, (nbytes,), jnp.uint8), out_shardings=sharding).lower().compile()
+
+
 def grow_pinned_pools(devices: Iterable[jax.Device], nbytes: int, chunk: int = POOL_CHUNK_BYTES) -> int:
   """Has each device's pinned host pool hold `nbytes` at once, before a run's first step: allocates that much of
   pinned host memory on each device in chunks (made on the device, copied out), holds it all, then frees it. XLA's
@@ -268,8 +275,7 @@ def grow_pinned_pools(devices: Iterable[jax.Device], nbytes: int, chunk: int = P
   held: list[jax.Array] = []
   counts = []
   for device in devices:
-    make = jax.jit(functools.partial(jnp.zeros, (chunk,), jnp.uint8),
-                   out_shardings=jax.sharding.SingleDeviceSharding(device, memory_kind=HOST))
+    make = pinned_buffer_maker(device, chunk)
     count = 0
     try:
       for count in range(1, chunks + 1):
