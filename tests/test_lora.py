@@ -618,6 +618,29 @@ def test_a_step_waits_for_each_group_before_it_dispatches_past_the_next(monkeypa
   assert left_waiting == [1] * (2 * len(engine.groups) - 1)  # every group forward, the last, every group backward
 
 
+@pytest.mark.slow
+def test_each_backward_groups_first_input_is_fetched_behind_the_group_before_it():
+  """As the training engine's (tests/test_engine.py): a copy into device memory starts only once the calls issued
+  before it have run, so each stashed input is fetched one backward call ahead, across groups too."""
+  model = _model("llama", rank=2)
+  engine = LoraEngine(model, optax.adamw(1e-3), LoraEngineConfig(sub_batches=2))
+  engine.init_base(jax.random.key(0))
+  events = []
+
+  def recorded(name, fn):
+    def call(*args):
+      events.append(name)
+      return fn(*args)
+    return call
+
+  engine._unstash, engine._backward = recorded("fetch", engine._unstash), recorded("backward", engine._backward)
+  engine.step(engine.init(jax.random.key(1)), make_batch(np.random.default_rng(0), 4, 8))
+  fetches = [events[:i].count("fetch") for i, event in enumerate(events) if event == "backward"]
+  total = events.count("fetch")
+  assert total == len(fetches) == 2 * (len(engine.groups) - 1) and len(engine.groups) > 2, events
+  assert fetches == [min(call + 2, total) for call in range(total)], events
+
+
 class _Output:
   def __init__(self, deleted=False):
     self.deleted, self.waited = deleted, False

@@ -54,7 +54,7 @@ from sljax.mesh import PER_DEVICE, REPLICATED, check_batch
 from sljax.metrics import StepFlops, step_flops
 from sljax.quant import QuantConfig, can_pack_halves, dequantize_layer, map_packed, pack_halves, quantize_layers, \
     unpack_halves
-from sljax.schedule import Residuals, check_training_batch, shared_calls
+from sljax.schedule import Residuals, backward_inputs, check_training_batch, shared_calls
 from sljax.sizes import model_sizes, stacked_layer_shapes
 
 
@@ -436,10 +436,11 @@ class LoraEngine:
     pace.add(cotangents[-1])
     del level
 
+    inputs = backward_inputs(boundaries, self._unstash)  # each group's first input fetched behind the group before
     for g in range(last - 1, -1, -1):
       w, dxs = next(stream), []
-      for x, dy in zip(prefetch(boundaries.pop(), self._unstash), cotangents):
-        dx, grads = self._backward(w, adapters, starts[g], x, dy, grads)
+      for dy in cotangents:
+        dx, grads = self._backward(w, adapters, starts[g], next(inputs), dy, grads)
         dxs.append(dx)
       pace.add(dxs[-1])
       cotangents = dxs
