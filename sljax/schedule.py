@@ -742,15 +742,22 @@ class Engine:
     for g in range(last - 1, -1, -1):
       w = next(stream)
       grads, dxs, incoming = None, [], None
-      for dy in cotangents:
-        dx, grads = self._backward(w, next(inputs), dy, grads)
+      for s, dy in enumerate(cotangents):
+        x = next(inputs)
+        if s == 1 and not clipping:
+          # This group's state, for its update, is issued before the second call, after the third call's input:
+          # the next input copied behind it (3.2 GB at llama13b: more than one call's time) is needed two calls
+          # later. Issued after the first call, the third call's input crossed behind it while the GPU waited.
+          incoming = self._take_state(g, new_groups[g])
+        dx, grads = self._backward(w, x, dy, grads)
         dxs.append(dx)
-        if pending:
+        if s == 0:
           # The group after this one is updated only now, so its state leaves the device behind this group's first
           # inputs, and this group's state comes in behind them: the copy streams carry both directions, and
           # otherwise each group's inputs would wait behind the previous group's outgoing state.
           self._finish_group(*pending, ok, new_groups, parked_grads)
-          pending, incoming = None, None if clipping else self._take_state(g, new_groups[g])
+      if n == 1 and not clipping:
+        incoming = self._take_state(g, new_groups[g])  # behind the one call and the update before it
       cotangents = dxs
       pending = (g, incoming, self.place.reduce(grads))  # the group's one reduce
     self._finish_group(*pending, ok, new_groups, parked_grads)
