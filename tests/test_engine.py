@@ -388,7 +388,7 @@ def test_each_backward_groups_first_input_is_fetched_behind_the_group_before_it(
   """A copy into device memory starts only once the calls issued before it have run (XLA's GPU client), so each
   stashed input is fetched one backward call ahead, across groups too: fetched at its own group's turn, a group's
   first input crossed while the GPU waited (39 such gaps a step at llama13b)."""
-  _, engine = tiny_engine(sub_batches=2, live_layers=1)
+  _, engine = tiny_engine(sub_batches=4, live_layers=1, device_state_groups=1)  # the next test's calls
   events = []
 
   def recorded(name, fn):
@@ -402,7 +402,7 @@ def test_each_backward_groups_first_input_is_fetched_behind_the_group_before_it(
   engine.step(state, batch)
   fetches = [events[:i].count("fetch") for i, event in enumerate(events) if event == "backward"]
   total = events.count("fetch")
-  assert total == len(fetches) == 2 * (len(engine.groups) - 1), events
+  assert total == len(fetches) == 4 * (len(engine.groups) - 1), events
   assert fetches == [min(call + 2, total) for call in range(total)], events
 
 
