@@ -177,6 +177,28 @@ def generate_cases(cases: list[list[str]], timeout: int = 300) -> subprocess.Com
                         text=True, timeout=timeout)
 
 
+# ---- the order of an engine's calls and copies (tests/test_engine.py, tests/test_lora.py) --------------------------
+
+def record_calls(engine, events: list, labels: dict, when=lambda args: True):
+  """Has each of the engine's calls named in `labels` (attribute -> label) append its label to `events` as it is
+  called (where when(args))."""
+  for name, label in labels.items():
+    def call(*args, fn=getattr(engine, name), label=label):
+      if when(args):
+        events.append(label)
+      return fn(*args)
+    setattr(engine, name, call)
+
+
+def inputs_fetched_one_call_ahead(events: list) -> int:
+  """Checks that before each "backward" call of `events` its input and the next call's were fetched ("fetch"; the
+  k-th fetch is the k-th call's input); returns how many were fetched."""
+  fetched = [events[:i].count("fetch") for i, event in enumerate(events) if event == "backward"]
+  total = events.count("fetch")
+  assert len(fetched) == total and fetched == [min(call + 2, total) for call in range(total)], events
+  return total
+
+
 # ---- the benchmarks' smoke modes (tests/test_benchmarks.py, tests/test_benchmarks_training.py) --------------------
 
 def benchmark_smoke(module: str, tmp_path, *args: str) -> dict:

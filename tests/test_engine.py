@@ -19,7 +19,8 @@ from sljax.memory import HOST
 from sljax.optim import OptimConfig, make_optimizer
 from sljax.schedule import Engine, EngineConfig, dequantize_rows, quantize_rows, state_on_device
 
-from helpers import init_params, make_batch, reference_steps, rel_error
+from helpers import (init_params, inputs_fetched_one_call_ahead, make_batch, record_calls, reference_steps,
+                     rel_error)
 
 
 # The shapes the fidelity tests draw from: a model shape with a sub-batch count and a group size, few of them, so
@@ -390,20 +391,9 @@ def test_each_backward_groups_first_input_is_fetched_behind_the_group_before_it(
   first input crossed while the GPU waited (39 such gaps a step at llama13b)."""
   _, engine = tiny_engine(sub_batches=4, live_layers=1, device_state_groups=1)  # the next test's calls
   events = []
-
-  def recorded(name, fn):
-    def call(*args):
-      events.append(name)
-      return fn(*args)
-    return call
-
-  engine._unstash, engine._backward = recorded("fetch", engine._unstash), recorded("backward", engine._backward)
-  state, batch = engine.init(jax.random.key(0)), make_batch(np.random.default_rng(0), 4, 8)
-  engine.step(state, batch)
-  fetches = [events[:i].count("fetch") for i, event in enumerate(events) if event == "backward"]
-  total = events.count("fetch")
-  assert total == len(fetches) == 4 * (len(engine.groups) - 1), events
-  assert fetches == [min(call + 2, total) for call in range(total)], events
+  record_calls(engine, events, {"_unstash": "fetch", "_backward": "backward"})
+  engine.step(engine.init(jax.random.key(0)), make_batch(np.random.default_rng(0), 4, 8))
+  assert inputs_fetched_one_call_ahead(events) == 4 * (len(engine.groups) - 1)
 
 
 def test_a_host_groups_state_is_issued_two_calls_before_the_input_copied_behind_it_is_needed():
@@ -414,19 +404,11 @@ def test_a_host_groups_state_is_issued_two_calls_before_the_input_copied_behind_
   _, engine = tiny_engine(sub_batches=4, live_layers=1, device_state_groups=1)
   assert engine.state_on_device == [True, False, False]
   events = []
-
-  def recorded(name, fn, host_only=False):
-    def call(*args):
-      if not host_only or any(x.sharding.memory_kind == HOST for x in jax.tree.leaves(args)):
-        events.append(name)
-      return fn(*args)
-    return call
-
-  engine._unstash, engine._take = recorded("fetch", engine._unstash), recorded("take", engine._take, host_only=True)
-  for name in ("_backward", "_tail_forward", "_head", "_tail_backward"):
-    setattr(engine, name, recorded("backward" if name == "_backward" else "call", getattr(engine, name)))
-  state, batch = engine.init(jax.random.key(0)), make_batch(np.random.default_rng(0), 4, 8)
-  engine.step(state, batch)
+  record_calls(engine, events, {"_unstash": "fetch", "_backward": "backward", "_tail_forward": "call", "_head": "call",
+                                "_tail_backward": "call"})
+  record_calls(engine, events, {"_take": "take"},  # a host group's state
+               when=lambda args: any(x.sharding.memory_kind == HOST for x in jax.tree.leaves(args)))
+  engine.step(engine.init(jax.random.key(0)), make_batch(np.random.default_rng(0), 4, 8))
   consumers = [i for i, event in enumerate(events) if event == "backward"]  # the k-th fetch's is the k-th
   takes = [i for i, event in enumerate(events) if event == "take"]
   assert len(takes) == 2, events  # the last group's state, then group 1's

@@ -27,7 +27,8 @@ from sljax.mesh import make_mesh
 from sljax.quant import QuantConfig, dequantize_layers, quantize_layers
 from sljax.sizes import model_sizes
 
-from helpers import benchmark_smoke, flat, has_provenance, in_layer_groups, make_batch, optimizer_step, rel_error
+from helpers import (benchmark_smoke, flat, has_provenance, in_layer_groups, inputs_fetched_one_call_ahead, make_batch,
+                     optimizer_step, record_calls, rel_error)
 
 SHAPES = {  # few shapes, so examples reuse compiled calls; values, placement, rank scale and optimizer vary freely
     "llama": dict(family="llama", num_heads=4, num_kv_heads=2, hidden_size=32, intermediate_size=40, num_layers=4),
@@ -626,19 +627,9 @@ def test_each_backward_groups_first_input_is_fetched_behind_the_group_before_it(
   engine = LoraEngine(model, optax.adamw(1e-3), LoraEngineConfig(sub_batches=2))
   engine.init_base(jax.random.key(0))
   events = []
-
-  def recorded(name, fn):
-    def call(*args):
-      events.append(name)
-      return fn(*args)
-    return call
-
-  engine._unstash, engine._backward = recorded("fetch", engine._unstash), recorded("backward", engine._backward)
+  record_calls(engine, events, {"_unstash": "fetch", "_backward": "backward"})
   engine.step(engine.init(jax.random.key(1)), make_batch(np.random.default_rng(0), 4, 8))
-  fetches = [events[:i].count("fetch") for i, event in enumerate(events) if event == "backward"]
-  total = events.count("fetch")
-  assert total == len(fetches) == 2 * (len(engine.groups) - 1) and len(engine.groups) > 2, events
-  assert fetches == [min(call + 2, total) for call in range(total)], events
+  assert inputs_fetched_one_call_ahead(events) == 2 * (len(engine.groups) - 1) and len(engine.groups) > 2
 
 
 class _Output:
