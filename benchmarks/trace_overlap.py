@@ -6,7 +6,7 @@ perfetto trace.
 
 The trace comes from `python -m benchmarks.train_throughput --trace_cases=CASE --trace_dir=DIR` (one traced step;
 given DIR, the newest trace in it is read). Prints the step's span, the time the GPU computes (and the gaps in which
-it runs no kernel, how many of them ended as a copy into the device ended; for the longest, the copies in each and
+it runs no kernel, and those that ended as a copy ended in them; for the longest, the copies in each and
 where the thread that dispatches the calls was held),
 copies host->device and device->host, and how much copy time runs while it computes; the PNG
 (needs matplotlib) draws the three lanes on one time axis. train_throughput calls these functions itself.
@@ -28,8 +28,8 @@ IDLE_GAP_US = 100  # idle gaps at least this long are counted (shorter ones are 
 LARGEST_GAPS = 5  # the summary lists this many of the longest
 
 # XLA's GPU client starts a copy into device memory only after the calls issued before it, so a call that needs the
-# copied array can find it still crossing: a gap that ends within this long after a copy into the device ends (a
-# kernel launched on the copy's completion) is counted as waiting for that copy.
+# copied array can find it still crossing: a gap that ends within this long after a copy ends (a kernel launched on
+# the copy's completion) is counted as waiting for that copy, in either direction.
 COPY_WAIT_US = 50
 HOST_LEVELS = 4  # how many of the innermost events the dispatching thread was in are kept for each largest gap
 WINDOWS = 20  # the summary's timeline cuts the span into this many equal windows
@@ -133,11 +133,11 @@ def idle_gaps(compute, start: float, end: float) -> dict:
           "largest_idle_gaps": [{"ms": length / 1e3, "at_ms": (at - start) / 1e3} for at, length in longest]}
 
 
-def waiting_for_copies(compute, to_device, start: float, end: float) -> list[tuple[float, float]]:
-  """The idle gaps (start, length in us) between `start` and `end` that ended as a copy into the device (`to_device`:
-  merged intervals) ended inside them, at most COPY_WAIT_US before: the GPU waited for that copy."""
+def waiting_for_copies(compute, copies, start: float, end: float) -> list[tuple[float, float]]:
+  """The idle gaps (start, length in us) between `start` and `end` that ended as a copy (`copies`: merged intervals)
+  ended inside them, at most COPY_WAIT_US before: the GPU waited for that copy."""
   edges = [start] + [t for interval in compute for t in interval] + [end]
-  copy_ends = sorted(b for _, b in to_device)
+  copy_ends = sorted(b for _, b in copies)
   waited = []
   for a, b in zip(edges[::2], edges[1::2]):
     i = bisect.bisect_right(copy_ends, b) - 1
@@ -222,13 +222,15 @@ def summarize(trace: dict) -> tuple[dict, dict, float]:
   busy_or_flushing = union(merged["compute"] + flushing)
   # Idle time in which the profiler flushed: the trace's own cost (see PROFILER_FLUSH).
   gaps["idle_while_profiler_flushed_s"] = gaps["idle_s"] - idle_gaps(busy_or_flushing, start, end)["idle_s"]
-  waited = waiting_for_copies(merged["compute"], merged["host_to_device"], start, end)
-  gaps["idle_waiting_for_copies_to_device_s"] = sum(length for _, length in waited) / 1e6
-  gaps["idle_gaps_waiting_for_copies_to_device"] = len(waited)
-  waited_at = {round((at - start) / 1e3, 9) for at, _ in waited}
+  waited = {lane: waiting_for_copies(merged["compute"], merged[lane], start, end)
+            for lane in ("host_to_device", "device_to_host")}
+  gaps["idle_waiting_for_copies_s"] = {lane: sum(length for _, length in w) / 1e6 for lane, w in waited.items()}
+  gaps["idle_gaps_waiting_for_copies"] = {lane: len(w) for lane, w in waited.items()}
+  waited_at = {lane: {round((at - start) / 1e3, 9) for at, _ in w} for lane, w in waited.items()}
   thread = dispatch_thread(trace)
   gaps["largest_idle_gaps"] = [{**gap, **gap_context(trace, merged, gap, start, thread),
-                                "waited_for_a_copy_to_device": round(gap["at_ms"], 9) in waited_at}
+                                "waited_for_copy": [lane for lane, at in waited_at.items()
+                                                    if round(gap["at_ms"], 9) in at]}
                                for gap in gaps["largest_idle_gaps"]]
   return {"span_s": (end - start) / 1e6, "busy_s": busy, "copy_s": copy_seconds, "copy_hidden_by_compute_s": hidden,
           "copy_hidden_fraction": hidden / copy_seconds if copy_seconds else None,
